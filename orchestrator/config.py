@@ -1,0 +1,367 @@
+"""Event configuration: the YAML file an operator writes, as pydantic models.
+
+`load_event` turns every problem (YAML syntax, unknown keys, bad values, cross-field rules)
+into a `ConfigError` whose issues name the file, line and key, so an operator can fix the
+file without reading a traceback. Validation is pure: it reads the local filesystem to check
+file sources exist, and never touches the network or starts anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+SourceKind = Literal["file", "pyav", "srt", "push"]
+Loc = tuple[str | int, ...]
+
+_STREAM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_LANG = re.compile(r"^[a-z]{2}$")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_URL_KINDS: dict[str, SourceKind] = {
+    "http": "pyav", "https": "pyav", "rtmp": "pyav", "rtsp": "pyav", "srt": "srt",
+}
+_SUPPORTED_SOURCES = "a file path, file://PATH, http://, https://, rtmp://, rtsp://, srt://, push"
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _fail(message: str) -> PydanticCustomError:
+    # A custom error keeps the operator's message verbatim; a ValueError would be prefixed
+    # with "Value error, ". The message goes through the context so braces are not templates.
+    return PydanticCustomError("babelcast_config", "{reason}", {"reason": message})
+
+
+def _raise_at(title: str, problems: list[tuple[Loc, str, object]]) -> None:
+    # A ValidationError raised inside a validator keeps its own locations (prefixed by the
+    # caller's), which lets a model-level rule point at the exact key that is wrong.
+    if problems:
+        details = [InitErrorDetails(type=_fail(msg), loc=loc, input=value)
+                   for loc, msg, value in problems]
+        raise ValidationError.from_exception_data(title, details)
+
+
+def _check_lang(value: object, allow_auto: bool) -> str:
+    if isinstance(value, bool):
+        # YAML 1.1 reads an unquoted `no` (Norwegian) as false.
+        raise _fail("got a YAML boolean; quote language codes, e.g. 'no'")
+    if not isinstance(value, str) or not (_LANG.match(value) or (allow_auto and value == "auto")):
+        expected = "'auto' or a" if allow_auto else "a"
+        raise _fail(f"expected {expected} 2-letter ISO-639-1 code such as 'en', got {value!r}")
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RedisConfig(_Strict):
+    url: str | None = Field(default=None, description="Redis URL; null: start a local redis")
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(_REDIS_SCHEMES):
+            raise _fail(f"must start with {', '.join(_REDIS_SCHEMES)}; got {v!r}")
+        return v
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(
+        default=None, description='cluster address ("auto", "ray://host:10001"); null: local')
+    num_cpus: int | None = Field(default=None, ge=1, description="CPUs for a local Ray; null: all")
+
+    @model_validator(mode="after")
+    def _local_only(self) -> Self:
+        # ray.init refuses num_cpus when connecting to an existing cluster; say so at load time.
+        if self.address is not None and self.num_cpus is not None:
+            _raise_at("RayConfig", [(("num_cpus",), "only applies to a local Ray; remove it "
+                                     "or remove ray.address", self.num_cpus)])
+        return self
+
+
+class EngineConfig(_Strict):
+    kind: Literal["embedded"] = Field(default="embedded", description="speech engine backend")
+    model: Literal["whisper-base", "tiny.en"] = Field(
+        default="whisper-base", description="ASR model; tiny.en is English-only")
+    actors: int = Field(default=1, ge=1, description="number of ASR actors")
+    streams_per_actor: int = Field(default=4, ge=1, description="streams one ASR actor decodes")
+    cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
+    step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
+    pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
+
+
+class IngestConfig(_Strict):
+    actors: int = Field(default=1, ge=1, description="number of ingest (audio source) actors")
+
+
+class GatewayConfig(_Strict):
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="gateway port; 0 picks a free port")
+
+
+def _split_source(source: str) -> tuple[SourceKind, str]:
+    """(kind, rest): rest is the path for files (file:// stripped), else the source as given."""
+    if source == "push":
+        return "push", source
+    m = _SCHEME.match(source)
+    if m is None:
+        return "file", source
+    scheme = m.group(1).lower()
+    if scheme == "file":
+        return "file", source[m.end():]
+    if scheme not in _URL_KINDS:
+        raise _fail(f"unknown scheme {scheme + '://'!r}; supported: {_SUPPORTED_SOURCES}")
+    return _URL_KINDS[scheme], source
+
+
+class StreamConfig(_Strict):
+    id: str = Field(description="stream id: lowercase letters, digits, '-' and '_', ≤64 chars")
+    name: str = Field(default="", description="display name; empty or omitted: the id")
+    source: str = Field(min_length=1, description=f"audio source: {_SUPPORTED_SOURCES}")
+    loop: bool = Field(default=False, description="restart a file source at its end")
+    language: str = Field(default="auto", description="spoken language: 'auto' or ISO-639-1")
+    targets: list[str] = Field(
+        default_factory=list, description="ISO-639-1 codes to translate captions into")
+    _resolved_source: str = PrivateAttr("")
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not _STREAM_ID.match(v):
+            raise _fail(f"{v!r} is not a valid stream id: use 1-64 lowercase letters, digits, "
+                        "'-' or '_', starting with a letter or digit")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        _split_source(v)
+        return v
+
+    @field_validator("language", mode="before")
+    @classmethod
+    def _language(cls, v: object) -> str:
+        return _check_lang(v, allow_auto=True)
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets(cls, v: object, info: ValidationInfo) -> object:
+        if not isinstance(v, list):
+            return v  # pydantic reports the wrong type itself
+        codes = [_check_lang(t, allow_auto=False) for t in v]
+        dups = sorted({t for t in codes if codes.count(t) > 1})
+        if dups:
+            raise _fail(f"duplicate target language(s): {', '.join(dups)}")
+        own = info.data.get("language")
+        if own in codes:
+            raise _fail(f"{own!r} is the stream's own language; remove it from targets")
+        return codes
+
+    @model_validator(mode="after")
+    def _resolve(self, info: ValidationInfo) -> Self:
+        self.name = self.name or self.id
+        kind, rest = _split_source(self.source)
+        if kind != "file":
+            self._resolved_source = rest
+            return self
+        # Relative paths resolve against the YAML file's folder so an event file works from
+        # any working directory; without a context (models built in code) the cwd is used.
+        base = Path((info.context or {}).get("base_dir") or Path.cwd())
+        path = Path(rest).expanduser()
+        path = (path if path.is_absolute() else base / path).resolve()
+        if not path.is_file():
+            what = "is a directory, not a file" if path.is_dir() else "file not found"
+            _raise_at("StreamConfig", [(("source",), f"{what}: {path}", self.source)])
+        self._resolved_source = str(path)
+        return self
+
+    @property
+    def resolved_source(self) -> str:
+        """Absolute path for file sources (file:// stripped); URLs and "push" unchanged."""
+        return self._resolved_source
+
+    @property
+    def source_kind(self) -> SourceKind:
+        return _split_source(self.source)[0]
+
+
+class EventConfig(_Strict):
+    event: str = Field(description="event name, shown in the UI and logs")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="caption bus")
+    ray: RayConfig = Field(default_factory=RayConfig, description="where actors run")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="ASR engine pool")
+    ingest: IngestConfig = Field(default_factory=IngestConfig, description="audio ingest pool")
+    streams: list[StreamConfig] = Field(min_length=1, description="audio streams to caption")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="HTTP gateway")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections(cls, data: Any) -> Any:
+        # `redis:` with nothing under it is YAML null; treat it as "all defaults".
+        sections = ("redis", "ray", "engine", "ingest", "gateway")
+        if isinstance(data, dict):
+            return {k: ({} if k in sections and v is None else v) for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Self:
+        problems: list[tuple[Loc, str, object]] = []
+        seen: dict[str, int] = {}
+        for i, s in enumerate(self.streams):
+            if s.id in seen:
+                problems.append((("streams", i, "id"),
+                                 f"duplicate stream id {s.id!r} (first used by streams"
+                                 f"[{seen[s.id]}])", s.id))
+            seen.setdefault(s.id, i)
+            if self.engine.model == "tiny.en" and s.language != "en":
+                problems.append((("streams", i, "language"),
+                                 f"model 'tiny.en' is English-only but language is "
+                                 f"{s.language!r}; set language: en or engine.model: "
+                                 "whisper-base", s.language))
+        n, e = len(self.streams), self.engine
+        if n > e.actors * e.streams_per_actor:
+            problems.append((("streams",), f"{n} streams configured but the engine pool fits "
+                             f"{e.actors * e.streams_per_actor} (engine.actors {e.actors} × "
+                             f"engine.streams_per_actor {e.streams_per_actor}); raise "
+                             "engine.actors or engine.streams_per_actor", n))
+        _raise_at("EventConfig", problems)
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigIssue:
+    file: str
+    line: int | None
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = self.file if self.line is None else f"{self.file}:{self.line}"
+        return f"{where}: {self.key}: {self.message}"
+
+
+class ConfigError(Exception):
+    def __init__(self, errors: list[ConfigIssue]) -> None:
+        super().__init__("\n".join(str(e) for e in errors))
+        self.errors = errors
+
+
+def _index_lines(node: yaml.Node, path: Loc, lines: dict[Loc, int],
+                 dups: list[tuple[Loc, int]]) -> None:
+    """Map key paths to 1-based lines: the key node for mapping keys, the item for lists."""
+    if len(path) > 64:  # a recursive alias (`&a [*a]`) would otherwise never end
+        return
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            sub = (*path, key_node.value)
+            if sub in lines and key_node.value != "<<":
+                dups.append((sub, key_node.start_mark.line + 1))
+            lines[sub] = key_node.start_mark.line + 1  # the last duplicate is the one kept
+            _index_lines(value_node, sub, lines, dups)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[(*path, i)] = item.start_mark.line + 1
+            _index_lines(item, (*path, i), lines, dups)
+
+
+def _display_key(loc: Loc) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out or "<top level>"
+
+
+def _line_for(loc: Loc, lines: dict[Loc, int]) -> int | None:
+    # A missing key has no line of its own: point at the nearest parent that exists.
+    while loc and loc not in lines:
+        loc = loc[:-1]
+    return lines.get(loc)
+
+
+def _allowed_keys(parent: Loc) -> list[str]:
+    """Keys the model at `parent` accepts, found by walking the field annotations."""
+    model: type[BaseModel] | None = EventConfig
+    for part in parent:
+        if isinstance(part, str) and model is not None:
+            field = model.model_fields.get(part)
+            hints = (field.annotation, *typing.get_args(field.annotation)) if field else ()
+            model = next((h for h in hints if isinstance(h, type) and issubclass(h, BaseModel)),
+                         None)
+    return list(model.model_fields) if model else []
+
+
+def _message(err: Any) -> str:
+    loc: Loc = tuple(err["loc"])
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        return f"unknown key {loc[-1]!r}" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+    if err["type"] == "missing":
+        return "required key is missing"
+    return str(err["msg"])
+
+
+def parse_event(text: str, *, filename: str = "<string>",
+                base_dir: Path | None = None) -> EventConfig:
+    """Parse and validate event YAML; relative file sources resolve against `base_dir`."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        parts = (getattr(e, "context", None), getattr(e, "problem", None))
+        problem = "; ".join(p for p in parts if p) or str(e)
+        raise ConfigError([ConfigIssue(filename, line, "<yaml>", problem)]) from None
+    finally:
+        loader.dispose()
+    if root is None:
+        raise ConfigError([ConfigIssue(filename, None, "<top level>", "file is empty; expected "
+                                       "a mapping with at least 'event' and 'streams'")])
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError([ConfigIssue(filename, root.start_mark.line + 1, "<top level>",
+                                       f"expected a mapping of keys, got a {kind}")])
+    lines: dict[Loc, int] = {(): root.start_mark.line + 1}
+    dups: list[tuple[Loc, int]] = []
+    _index_lines(root, (), lines, dups)
+    # YAML silently keeps the last of two equal keys; an operator almost never means that.
+    issues = [ConfigIssue(filename, ln, _display_key(loc), "duplicate key; the earlier one "
+                          "would be ignored") for loc, ln in dups]
+    try:
+        config = EventConfig.model_validate(data, context={"base_dir": base_dir or Path.cwd()})
+    except ValidationError as e:
+        issues += [ConfigIssue(filename, _line_for(tuple(err["loc"]), lines),
+                               _display_key(tuple(err["loc"])), _message(err))
+                   for err in e.errors(include_url=False)]
+    if issues:
+        raise ConfigError(sorted(issues, key=lambda i: (i.line or 0, i.key)))
+    return config
+
+
+def load_event(path: str | os.PathLike[str]) -> EventConfig:
+    """Read and validate an event YAML file; raises ConfigError with file:line: key: message."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([ConfigIssue(str(p), None, "<file>", f"cannot read: {e}")]) from None
+    return parse_event(text, filename=str(p), base_dir=p.parent.resolve())

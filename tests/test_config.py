@@ -1,0 +1,261 @@
+"""Event YAML → models: defaults, and errors that point at file, line and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from orchestrator.config import (
+    ConfigError,
+    ConfigIssue,
+    EngineConfig,
+    EventConfig,
+    GatewayConfig,
+    IngestConfig,
+    RayConfig,
+    RedisConfig,
+    StreamConfig,
+    load_event,
+    parse_event,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def write(tmp_path: Path, text: str, name: str = "event.yaml") -> Path:
+    (tmp_path / "room-a.flac").write_bytes(b"fLaC")  # existence is all the loader checks
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def issues_of(path: Path) -> list[ConfigIssue]:
+    with pytest.raises(ConfigError) as info:
+        load_event(path)
+    return info.value.errors
+
+
+def only_issue(path: Path) -> ConfigIssue:
+    issues = issues_of(path)
+    assert len(issues) == 1, issues
+    return issues[0]
+
+
+MINIMAL = """\
+event: "Demo conference"
+streams:
+  - id: room-a
+    source: room-a.flac
+"""
+
+
+def test_minimal_config_loads_with_defaults(tmp_path: Path) -> None:
+    cfg = load_event(write(tmp_path, MINIMAL))
+    assert isinstance(cfg, EventConfig)
+    assert cfg.event == "Demo conference"
+    assert cfg.redis.url is None
+    assert cfg.ray.address is None and cfg.ray.num_cpus is None
+    e = cfg.engine
+    assert (e.kind, e.model, e.actors, e.streams_per_actor) == ("embedded", "whisper-base", 1, 4)
+    assert (e.cpu_threads, e.step_s, e.pause_s) == (2, 1.0, 0.6)
+    assert cfg.ingest.actors == 1
+    assert (cfg.gateway.host, cfg.gateway.port) == ("127.0.0.1", 8000)
+    s = cfg.streams[0]
+    assert (s.id, s.name, s.loop, s.language, s.targets) == ("room-a", "room-a", False, "auto", [])
+
+
+def test_full_config_resolves_sources_and_kinds(tmp_path: Path) -> None:
+    path = write(tmp_path, """\
+event: Demo
+redis: {url: "redis://127.0.0.1:6379/0"}
+ray: {address: auto}
+engine: {actors: 2, streams_per_actor: 2}
+streams:
+  - {id: room-a, name: Room A, source: room-a.flac, loop: true, language: en,
+     targets: [fr, pt]}
+  - {id: file-url, source: "file://room-a.flac"}
+  - {id: hall, source: "rtmp://host/live/key", language: "no"}
+  - {id: srt-in, source: "srt://0.0.0.0:9000"}
+gateway: {port: 0}
+""")
+    cfg = load_event(path)
+    kinds = [(s.source_kind, s.resolved_source) for s in cfg.streams]
+    local = str((tmp_path / "room-a.flac").resolve())
+    assert kinds == [("file", local), ("file", local), ("pyav", "rtmp://host/live/key"),
+                     ("srt", "srt://0.0.0.0:9000")]
+    assert cfg.streams[0].name == "Room A" and cfg.streams[0].targets == ["fr", "pt"]
+    assert cfg.streams[2].language == "no"  # quoted, so YAML kept it a string
+    assert cfg.gateway.port == 0
+
+
+def test_relative_source_resolves_against_yaml_folder_not_cwd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, MINIMAL)
+    monkeypatch.chdir("/")
+    assert load_event(path).streams[0].resolved_source == str((tmp_path / "room-a.flac").resolve())
+
+
+def test_push_source_needs_no_file() -> None:
+    cfg = parse_event("event: x\nstreams: [{id: a, source: push}]")
+    assert (cfg.streams[0].source_kind, cfg.streams[0].resolved_source) == ("push", "push")
+
+
+def test_unknown_top_level_key_is_rejected_at_its_line(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, MINIMAL + "gatway:\n  port: 9000\n"))
+    assert (issue.line, issue.key) == (5, "gatway")
+    assert "unknown key 'gatway'" in issue.message
+    assert "gateway" in issue.message  # the allowed keys are listed
+
+
+def test_unknown_key_in_a_stream_is_rejected_at_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "  - id: room-b\n    source: push\n    langauge: fr\n")
+    issue = only_issue(path)
+    assert (issue.line, issue.key) == (7, "streams[1].langauge")
+    assert "unknown key 'langauge'" in issue.message and "language" in issue.message
+
+
+def test_bad_language_is_rejected(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, MINIMAL + "    language: english\n"))
+    assert (issue.line, issue.key) == (5, "streams[0].language")
+    assert "2-letter ISO-639-1" in issue.message and "'english'" in issue.message
+
+
+def test_unquoted_no_is_explained_as_a_yaml_boolean(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, MINIMAL + "    targets: [fr, no]\n"))
+    assert (issue.line, issue.key) == (5, "streams[0].targets")
+    assert "YAML boolean" in issue.message
+
+
+def test_targets_must_not_repeat_or_contain_own_language(tmp_path: Path) -> None:
+    dup = only_issue(write(tmp_path, MINIMAL + "    targets: [fr, pt, fr]\n"))
+    assert (dup.key, dup.message) == ("streams[0].targets", "duplicate target language(s): fr")
+    own = only_issue(write(tmp_path, MINIMAL + "    language: en\n    targets: [en]\n"))
+    assert (own.line, own.key) == (6, "streams[0].targets")
+    assert "'en' is the stream's own language" in own.message
+
+
+def test_duplicate_stream_id_points_at_the_second_id(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "  - id: room-b\n    source: push\n"
+                                     "  - id: room-a\n    source: push\n")
+    issue = only_issue(path)
+    assert (issue.line, issue.key) == (7, "streams[2].id")
+    assert issue.message == "duplicate stream id 'room-a' (first used by streams[0])"
+
+
+def test_too_many_streams_for_the_pool_says_how_many_fit(tmp_path: Path) -> None:
+    path = write(tmp_path, """\
+event: Demo
+engine:
+  actors: 1
+  streams_per_actor: 2
+streams:
+  - {id: a, source: push}
+  - {id: b, source: push}
+  - {id: c, source: push}
+""")
+    issue = only_issue(path)
+    assert (issue.line, issue.key) == (5, "streams")
+    assert "3 streams configured but the engine pool fits 2" in issue.message
+    assert "raise engine.actors or engine.streams_per_actor" in issue.message
+
+
+def test_tiny_en_rejects_french_and_auto(tmp_path: Path) -> None:
+    path = write(tmp_path, """\
+event: Demo
+engine: {model: tiny.en}
+streams:
+  - {id: en, source: push, language: en}
+  - id: fr
+    source: push
+    language: fr
+  - {id: auto, source: push}
+""")
+    issues = issues_of(path)
+    assert [(i.line, i.key) for i in issues] == [(7, "streams[1].language"),
+                                                (8, "streams[2].language")]
+    assert "English-only" in issues[0].message and "'fr'" in issues[0].message
+    assert "'auto'" in issues[1].message
+
+
+def test_missing_file_names_the_resolved_path(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, MINIMAL.replace("room-a.flac", "audio/nope.wav")))
+    assert (issue.line, issue.key) == (4, "streams[0].source")
+    assert issue.message == f"file not found: {(tmp_path / 'audio' / 'nope.wav').resolve()}"
+
+
+def test_unknown_url_scheme_lists_the_supported_ones(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, MINIMAL.replace("room-a.flac", "gopher://host/a")))
+    assert (issue.line, issue.key) == (4, "streams[0].source")
+    assert "unknown scheme 'gopher://'" in issue.message
+    for scheme in ("file://", "http://", "https://", "rtmp://", "rtsp://", "srt://", "push"):
+        assert scheme in issue.message
+
+
+def test_bad_redis_url_and_out_of_range_port(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "redis:\n  url: http://x\ngateway:\n  port: 70000\n")
+    issues = issues_of(path)
+    assert [(i.line, i.key) for i in issues] == [(6, "redis.url"), (8, "gateway.port")]
+    assert "redis://" in issues[0].message
+    assert "65535" in issues[1].message
+
+
+def test_missing_key_points_at_nearest_parent(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "  - id: room-b\n    language: fr\n")
+    issue = only_issue(path)
+    assert (issue.line, issue.key, issue.message) == (5, "streams[1].source",
+                                                      "required key is missing")
+
+
+def test_yaml_syntax_error_gives_its_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "event: Demo\nstreams:\n  - id: a\n    source: push: x\n")
+    issue = only_issue(path)
+    assert issue.line == 4
+    assert issue.key == "<yaml>"
+    assert "mapping values are not allowed" in issue.message
+
+
+def test_duplicate_yaml_key_is_reported(tmp_path: Path) -> None:
+    issue = only_issue(write(tmp_path, "event: a\n" + MINIMAL))
+    assert (issue.line, issue.key) == (2, "event")
+    assert "duplicate key" in issue.message
+
+
+def test_empty_file_and_non_mapping_top_level(tmp_path: Path) -> None:
+    empty = only_issue(write(tmp_path, "# nothing yet\n"))
+    assert empty.line is None and "empty" in empty.message
+    as_list = only_issue(write(tmp_path, "- event: Demo\n"))
+    assert (as_list.line, as_list.key) == (1, "<top level>")
+    assert "expected a mapping" in as_list.message
+
+
+def test_formatted_error_has_file_line_and_key(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "    language: english\n" + "bogus: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_event(path)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith(f"{path}:5: streams[0].language: expected 'auto' or a 2-letter")
+    assert lines[1].startswith(f"{path}:6: bogus: unknown key 'bogus'")
+    assert str(ConfigIssue("examples/demo.yaml", 14, "streams[1].language", "bad")) == (
+        "examples/demo.yaml:14: streams[1].language: bad")
+
+
+def test_parse_event_uses_the_given_filename() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_event("event: x\nstreams: []\n", filename="inline.yaml")
+    assert str(info.value).startswith("inline.yaml:2: streams: ")
+
+
+def test_models_reject_unknown_keys_when_built_in_code() -> None:
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        StreamConfig.model_validate({"id": "a", "source": "push", "colour": "red"})
+
+
+def test_every_field_has_a_description() -> None:
+    models: list[type[BaseModel]] = [EventConfig, RedisConfig, RayConfig, EngineConfig,
+                                     IngestConfig, StreamConfig, GatewayConfig]
+    missing = [f"{m.__name__}.{name}" for m in models
+               for name, field in m.model_fields.items() if not field.description]
+    assert missing == []

@@ -1,0 +1,200 @@
+"""The Redis data plane: key names, serialization, Streams and pub/sub.
+
+Keys
+- `audio:{stream}`            Stream of audio chunks and gap markers (capped, ~60 s).
+- `captions:{stream}:{lang}`  Stream of caption publications, entry id `{seq}-0`, so
+                              "everything after seq N" is one XRANGE; capped.
+- `captions:{stream}:{lang}`  pub/sub channel of the same name, for live fan-out.
+- `status:{stream}`           Hash with the stream's current state and counters.
+
+The bus takes an injected `redis.asyncio.Redis` client and never creates one.
+A message it cannot decode is skipped and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any, cast
+
+from redis.asyncio import Redis
+
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, CaptionSegment
+
+log = logging.getLogger(__name__)
+
+AUDIO_CHUNK_S = 0.1
+AUDIO_MAXLEN = int(60 / AUDIO_CHUNK_S)
+CAPTIONS_MAXLEN = 20_000
+
+
+def audio_key(stream: str) -> str:
+    return f"audio:{stream}"
+
+
+def captions_key(stream: str, lang: str) -> str:
+    return f"captions:{stream}:{lang}"
+
+
+def status_key(stream: str) -> str:
+    return f"status:{stream}"
+
+
+def caption_to_json(seg: CaptionSegment) -> str:
+    data = asdict(seg)
+    data["lines"] = list(seg.lines)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def caption_from_json(raw: str | bytes) -> CaptionSegment:
+    data = json.loads(raw)
+    data["lines"] = tuple(data["lines"])
+    return CaptionSegment(**data)
+
+
+AudioItem = AudioChunk | AudioGap
+
+
+def _decode_audio(stream: str, fields: Mapping[bytes, bytes]) -> AudioItem:
+    kind = fields[b"k"]
+    pos = int(fields[b"pos"])
+    wall = float(fields[b"wall"])
+    if kind == b"pcm":
+        return AudioChunk(stream=stream, pos=pos, pcm=bytes(fields[b"pcm"]), wall=wall)
+    if kind == b"gap":
+        return AudioGap(
+            stream=stream,
+            pos=pos,
+            duration_s=float(fields[b"dur"]),
+            reason=fields.get(b"reason", b"").decode(),
+            wall=wall,
+        )
+    raise ValueError(f"unknown audio entry kind {kind!r}")
+
+
+class RedisBus:
+    """All reads and writes of the data plane go through here."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.undecodable = 0
+
+    # ---- audio -------------------------------------------------------------
+    async def add_audio(self, chunk: AudioChunk) -> str:
+        entry_id = await self.redis.xadd(
+            audio_key(chunk.stream),
+            {"k": "pcm", "pos": chunk.pos, "wall": repr(chunk.wall), "pcm": chunk.pcm},
+            maxlen=AUDIO_MAXLEN,
+            approximate=True,
+        )
+        return _s(entry_id)
+
+    async def add_gap(self, gap: AudioGap) -> str:
+        entry_id = await self.redis.xadd(
+            audio_key(gap.stream),
+            {
+                "k": "gap",
+                "pos": gap.pos,
+                "wall": repr(gap.wall),
+                "dur": repr(gap.duration_s),
+                "reason": gap.reason,
+            },
+            maxlen=AUDIO_MAXLEN,
+            approximate=True,
+        )
+        return _s(entry_id)
+
+    async def last_audio_pos(self, stream: str) -> int:
+        """Where the stream's audio clock stands (0 for a new stream)."""
+        entries = await self.redis.xrevrange(audio_key(stream), count=1)
+        if not entries:
+            return 0
+        _, fields = entries[0]
+        pos = int(fields[b"pos"])
+        if fields[b"k"] == b"pcm":
+            pos += len(fields[b"pcm"]) // 2
+        return pos
+
+    async def last_audio_id(self, stream: str) -> str:
+        entries = await self.redis.xrevrange(audio_key(stream), count=1)
+        return _s(entries[0][0]) if entries else "0-0"
+
+    async def read_audio(
+        self, cursors: Mapping[str, str], block_ms: int = 500, count: int = 50
+    ) -> list[tuple[str, str, AudioItem | None]]:
+        """Read new audio for several streams at once: [(stream, entry_id, item)].
+
+        An entry that cannot be decoded comes back as `None` (so the caller still
+        advances its cursor); the hole it leaves shows as a jump of `pos`.
+        """
+        if not cursors:
+            return []
+        resp = await self.redis.xread(
+            {audio_key(s): c for s, c in cursors.items()}, block=block_ms, count=count
+        )
+        out: list[tuple[str, str, AudioItem | None]] = []
+        for key, entries in resp or []:
+            stream = _s(key).split(":", 1)[1]
+            for entry_id, fields in entries:
+                try:
+                    out.append((stream, _s(entry_id), _decode_audio(stream, fields)))
+                except (KeyError, ValueError) as exc:
+                    self.undecodable += 1
+                    log.warning("skipping undecodable audio entry on %s: %s", stream, exc)
+                    out.append((stream, _s(entry_id), None))
+        return out
+
+    # ---- captions ----------------------------------------------------------
+    async def publish_caption(self, seg: CaptionSegment) -> None:
+        key = captions_key(seg.stream, seg.lang)
+        payload = caption_to_json(seg)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(key, {"d": payload}, id=f"{seg.seq}-0", maxlen=CAPTIONS_MAXLEN,
+                      approximate=True)
+            pipe.publish(key, payload)
+            await pipe.execute()
+
+    async def last_caption(self, stream: str, lang: str) -> CaptionSegment | None:
+        entries = await self.redis.xrevrange(captions_key(stream, lang), count=1)
+        if not entries:
+            return None
+        return caption_from_json(entries[0][1][b"d"])
+
+    async def captions_after(
+        self, stream: str, lang: str, since: int, count: int = 1000
+    ) -> list[CaptionSegment]:
+        """Publications with seq > since, oldest first (at most `count`)."""
+        entries = await self.redis.xrange(
+            captions_key(stream, lang), min=f"({since}-0" if since >= 0 else "-", count=count
+        )
+        out: list[CaptionSegment] = []
+        for _, fields in entries:
+            try:
+                out.append(caption_from_json(fields[b"d"]))
+            except (KeyError, ValueError, TypeError):
+                self.undecodable += 1
+        return out
+
+    # ---- status ------------------------------------------------------------
+    async def set_status(self, stream: str, **fields: str | float | int) -> None:
+        mapping: dict[str, str] = {k: str(v) for k, v in fields.items()}
+        mapping["updated"] = repr(time.time())
+        await self.redis.hset(status_key(stream), mapping=cast(Any, mapping))
+
+    async def incr_status(self, stream: str, counter: str, amount: float = 1) -> None:
+        await self.redis.hincrbyfloat(status_key(stream), counter, amount)
+
+    async def get_status(self, stream: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(status_key(stream))
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def samples_to_s(samples: int) -> float:
+    return samples / SAMPLE_RATE
+
+
+def _s(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

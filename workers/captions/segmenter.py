@@ -1,0 +1,113 @@
+"""Turn an engine's transcript deltas into caption segments.
+
+One open segment at a time. Committed words extend its stable text; the
+engine's tentative words are shown after them (a partial). The segment closes
+(a final, never revised again) at sentence punctuation in the committed words,
+at the end of an utterance (a pause), or at a length cap. `seq` grows by one
+with every publication on (stream, lang); `revision` counts publications of
+one segment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from workers.captions.linebreak import WEB, LineProfile, break_lines
+from workers.events import CaptionSegment, TranscriptDelta, Word
+
+_SENTENCE_END = (".", "?", "!", "…", "。", "？", "！")
+_CLOSERS = "\"')]»”’"
+
+
+def _ends_sentence(word: str) -> bool:
+    w = word.strip().rstrip(_CLOSERS)
+    # "Mr." and friends end with a dot but not a sentence.
+    if w.lower() in {"mr.", "mrs.", "ms.", "dr.", "st.", "m.", "mme."}:
+        return False
+    return w.endswith(_SENTENCE_END)
+
+
+def join_words(words: list[Word] | tuple[Word, ...]) -> str:
+    return "".join(w.text for w in words).strip()
+
+
+class Segmenter:
+    def __init__(
+        self,
+        stream: str,
+        lang: str,
+        *,
+        next_seq: int = 1,
+        next_segment_id: int = 1,
+        max_chars: int = 160,
+        profile: LineProfile = WEB,
+        wall_of: Callable[[float], float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.stream = stream
+        self.lang = lang
+        self.next_seq = next_seq
+        self.segment_id = next_segment_id
+        self.max_chars = max_chars
+        self.profile = profile
+        self._wall_of = wall_of or (lambda _t: clock())
+        self._clock = clock
+        self._stable: list[Word] = []
+        self._tentative: list[Word] = []
+        self._revision = 0
+        self._last_text: str | None = None
+
+    def feed(self, delta: TranscriptDelta) -> list[CaptionSegment]:
+        out: list[CaptionSegment] = []
+        for word in delta.committed:
+            self._stable.append(word)
+            text = join_words(self._stable)
+            if _ends_sentence(word.text) or len(text) >= self.max_chars:
+                self._tentative = []
+                out.append(self._publish(final=True))
+        self._tentative = list(delta.tentative)
+        if delta.end_of_utterance:
+            self._tentative = []
+            if self._stable:
+                out.append(self._publish(final=True))
+            elif self._last_text:
+                # A partial was shown but the utterance produced no committed word:
+                # close it empty so no stale text stays on screen.
+                out.append(self._publish(final=True))
+        elif self._stable or self._tentative:
+            text = join_words(self._stable + self._tentative)
+            if text and text != self._last_text:
+                out.append(self._publish(final=False))
+        return out
+
+    def _publish(self, *, final: bool) -> CaptionSegment:
+        words = self._stable + ([] if final else self._tentative)
+        stable_text = join_words(self._stable)
+        text = join_words(words)
+        self._revision += 1
+        end_s = words[-1].end_s if words else 0.0
+        seg = CaptionSegment(
+            stream=self.stream,
+            lang=self.lang,
+            segment_id=self.segment_id,
+            seq=self.next_seq,
+            revision=self._revision,
+            is_final=final,
+            text=text,
+            stable_prefix_len=len(stable_text) if not final else len(text),
+            lines=break_lines(text, self.profile, self.lang),
+            audio_start_s=words[0].start_s if words else 0.0,
+            audio_end_s=end_s,
+            audio_end_wall=self._wall_of(end_s) if words else self._clock(),
+            emit_time=self._clock(),
+        )
+        self.next_seq += 1
+        if final:
+            self.segment_id += 1
+            self._stable = []
+            self._revision = 0
+            self._last_text = None
+        else:
+            self._last_text = text
+        return seg

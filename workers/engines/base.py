@@ -1,0 +1,144 @@
+"""The engine seam: `SpeechEngine` holds a model, `RecognizeSession` holds one stream.
+
+A session is fed with `push()` (audio chunks, in order) and `gap()`; its output
+is an async iterator of `TranscriptDelta`s. `end_input()` asks for the last
+words; `aclose()` drops everything. The base class owns the queues, the task
+and its cancellation; an implementation writes `_run()` only.
+
+Callers branch on `EngineCapabilities`, never on the concrete class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from workers.events import AudioChunk, AudioGap, TranscriptDelta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What the session manager needs to know about an engine.
+
+    `max_session_s`: audio seconds one session can take before the engine ends it
+    (None: unbounded). `reanchors_natively`: the engine keeps long sessions going
+    by itself, no rollover needed. `multilingual`: whether `language="auto"` works.
+    """
+
+    max_session_s: float | None
+    reanchors_natively: bool
+    multilingual: bool
+    streaming: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOptions:
+    stream_id: str
+    language: str = "auto"
+
+
+class EngineError(RuntimeError):
+    """An engine or session failed. `retryable`: a new session may succeed."""
+
+    def __init__(self, message: str, *, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class _End:
+    """Marks the end of a session's input."""
+
+
+END = _End()
+SessionInput = AudioChunk | AudioGap | _End
+
+INPUT_QUEUE_MAX = 600
+"""≈ 60 s of 100 ms chunks. When full, the oldest chunk is dropped and a gap is recorded."""
+
+
+class RecognizeSession(ABC):
+    """One stream's recognition state inside an engine."""
+
+    def __init__(self, options: SessionOptions) -> None:
+        self.options = options
+        self._in: asyncio.Queue[SessionInput] = asyncio.Queue(maxsize=INPUT_QUEUE_MAX)
+        self._out: asyncio.Queue[TranscriptDelta | BaseException | None] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self.dropped_chunks = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._main(), name=f"session:{self.options.stream_id}")
+
+    async def push(self, item: AudioChunk | AudioGap) -> None:
+        if self._in.full():
+            # Drop the oldest audio, never block the reader: the pos jump that the
+            # drop leaves is seen by the session as a gap.
+            with contextlib.suppress(asyncio.QueueEmpty):
+                self._in.get_nowait()
+                self.dropped_chunks += 1
+        self._in.put_nowait(item)
+
+    async def end_input(self) -> None:
+        await self._in.put(END)
+
+    async def _main(self) -> None:
+        try:
+            await self._run(self._in)
+            await self._out.put(None)
+        except asyncio.CancelledError:
+            await self._out.put(None)
+            raise
+        except BaseException as exc:  # surfaced to the consumer, who decides
+            log.warning("session %s failed: %s", self.options.stream_id, type(exc).__name__)
+            await self._out.put(exc)
+
+    @abstractmethod
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        """Consume inputs until END; call `self._emit()` for each delta."""
+
+    async def _emit(self, delta: TranscriptDelta) -> None:
+        await self._out.put(delta)
+
+    async def __aiter__(self) -> AsyncIterator[TranscriptDelta]:
+        while True:
+            item = await self._out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise EngineError(f"session {self.options.stream_id}: {item!r}") from item
+            yield item
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(self._task, timeout)
+        self._task = None
+
+
+class SpeechEngine(ABC):
+    """Holds a model; opens sessions on it. No I/O in the constructor."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> EngineCapabilities: ...
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    def open_session(self, options: SessionOptions) -> RecognizeSession: ...
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def check_health(self) -> bool:
+        return True

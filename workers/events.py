@@ -1,0 +1,138 @@
+"""Plain data that travels inside a process and across Ray actor boundaries.
+
+Frozen, slotted dataclasses only: they pickle cheaply and cannot be mutated by a
+consumer behind a producer's back. Wire formats (JSON on Redis and WebSockets)
+are produced by `workers.bus`, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SAMPLE_RATE = 16_000
+"""Every audio chunk inside Babelcast is PCM16 little-endian, mono, 16 kHz."""
+
+BYTES_PER_SAMPLE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    """A piece of a stream's audio, as written to `audio:{stream}`.
+
+    `pos` counts samples since the stream started (the stream's audio clock);
+    `wall` is the epoch time at which the chunk's *end* was captured, which is
+    what speech→caption latency is measured against.
+    """
+
+    stream: str
+    pos: int
+    pcm: bytes
+    wall: float
+
+    @property
+    def samples(self) -> int:
+        return len(self.pcm) // BYTES_PER_SAMPLE
+
+    @property
+    def start_s(self) -> float:
+        return self.pos / SAMPLE_RATE
+
+    @property
+    def end_s(self) -> float:
+        return (self.pos + self.samples) / SAMPLE_RATE
+
+
+@dataclass(frozen=True, slots=True)
+class AudioGap:
+    """A hole in a stream's audio (source down, reconnecting, dropped frames).
+
+    Recorded in the audio Stream so the ASR side closes what it had instead of
+    gluing audio from both sides of the hole together. `pos` is the audio clock
+    after the gap; `duration_s` is how much wall time the hole lasted.
+    """
+
+    stream: str
+    pos: int
+    duration_s: float
+    reason: str
+    wall: float
+
+
+@dataclass(frozen=True, slots=True)
+class Word:
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TranscriptDelta:
+    """What an engine session emits.
+
+    `committed` words are stable: an engine never takes them back. `tentative`
+    is the engine's current guess for the audio after them; each delta replaces
+    the previous tentative words. `end_of_utterance` says the speaker paused, so
+    whatever is open may be closed. Times are stream audio seconds.
+    """
+
+    committed: tuple[Word, ...] = ()
+    tentative: tuple[Word, ...] = ()
+    end_of_utterance: bool = False
+    language: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CaptionSegment:
+    """One published caption state (partial or final) of one segment.
+
+    `seq` increases by one per publication on (stream, lang); a client that
+    saw seq N resumes with `since=N`. `revision` counts publications of the
+    same `segment_id`. A final is never revised. `stable_prefix_len` is how
+    many characters of `text` will not change any more.
+    """
+
+    stream: str
+    lang: str
+    segment_id: int
+    seq: int
+    revision: int
+    is_final: bool
+    text: str
+    stable_prefix_len: int
+    lines: tuple[str, ...]
+    audio_start_s: float
+    audio_end_s: float
+    audio_end_wall: float
+    emit_time: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    """What the ASR and ingest hosts need to know about one stream.
+
+    Built by the orchestrator from the event YAML; the floors below never see
+    the YAML models.
+    """
+
+    stream_id: str
+    name: str
+    source: str
+    language: str = "auto"
+    targets: tuple[str, ...] = ()
+    loop: bool = False
+
+    @property
+    def caption_lang(self) -> str:
+        """The language code under which source-language captions are published."""
+        return self.language if self.language != "auto" else "src"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHealth:
+    """A snapshot of one stream's state on one host, for status views."""
+
+    stream_id: str
+    state: str
+    detail: str = ""
+    counters: dict[str, float] = field(default_factory=dict)
