@@ -79,7 +79,9 @@ class RedisBus:
     """All reads and writes of the data plane go through here."""
 
     def __init__(self, redis: Redis) -> None:
-        self.redis = redis
+        # Any: redis-py types every reply as a union of all RESP shapes; each
+        # method below decodes the one shape its command returns.
+        self.redis: Any = redis
         self.undecodable = 0
 
     # ---- audio -------------------------------------------------------------

@@ -115,12 +115,12 @@ class RecognizeSession(ABC):
                 raise EngineError(f"session {self.options.stream_id}: {item!r}") from item
             yield item
 
-    async def aclose(self, timeout: float = 5.0) -> None:
+    async def aclose(self, grace_s: float = 5.0) -> None:
         if self._task is None:
             return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(self._task, timeout)
+            await asyncio.wait_for(self._task, grace_s)
         self._task = None
 
 

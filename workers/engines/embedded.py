@@ -40,7 +40,6 @@ from workers.engines.models import load_whisper, model_info
 from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
-
 MIN_ENCODE_FRAMES = 1000  # 10 s of mel frames; shorter windows cost accuracy
 MAX_TOKENS_PER_S = 8.0  # fast speech is ~4-5 tokens/s (timestamps included)
 
@@ -200,7 +199,7 @@ class EmbeddedWhisperSession(RecognizeSession):
                 self._silence_run += FRAME_SAMPLES
 
     def _trim_to(self, t_s: float) -> None:
-        cut = int(round(t_s * SAMPLE_RATE)) - self._buf_pos
+        cut = round(t_s * SAMPLE_RATE) - self._buf_pos
         if cut > 0:
             cut = min(cut, self._buf.size)
             self._buf = self._buf[cut:]

@@ -1,0 +1,132 @@
+"""`babelcast` — validate, run and watch an event.
+
+    babelcast validate FILE          exit 0, or 2 with file:line: key: message lines
+    babelcast run FILE [--duration S] [--plain]
+    babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from orchestrator.config import ConfigError, EventConfig, load_event
+
+
+def _load_or_exit(path: str) -> EventConfig:
+    try:
+        return load_event(path)
+    except ConfigError as exc:
+        for issue in exc.errors:
+            print(str(issue), file=sys.stderr)
+        print(f"{path}: {len(exc.errors)} problem(s); nothing was started", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = _load_or_exit(args.file)
+    print(f"{args.file}: ok — event {cfg.event!r}, {len(cfg.streams)} stream(s), "
+          f"{cfg.engine.actors} ASR actor(s) x {cfg.engine.streams_per_actor} streams")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = _load_or_exit(args.file)
+    from orchestrator.run import run_event
+
+    return asyncio.run(run_event(cfg, duration_s=args.duration, plain=args.plain))
+
+
+async def _tail(url: str, stream: str, lang: str | None, since: int | None, finals: bool,
+                as_json: bool, limit: int | None) -> int:
+    import websockets
+
+    ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/")
+    query = []
+    if lang:
+        query.append(f"lang={lang}")
+    if since is not None:
+        query.append(f"since={since}")
+    target = f"{ws_url}/v1/streams/{stream}/captions" + ("?" + "&".join(query) if query else "")
+    shown = 0
+    backoff = 0.5
+    while True:
+        try:
+            async with websockets.connect(target) as ws:
+                backoff = 0.5
+                async for raw in ws:
+                    msg: dict[str, Any] = json.loads(raw)
+                    if msg.get("type") == "error":
+                        print(f"error: {msg.get('code')}: {msg.get('message')}", file=sys.stderr)
+                        return 1
+                    since = int(msg["seq"])  # resume from here after a reconnect
+                    target = target.split("?")[0] + "?" + "&".join(
+                        [q for q in query if not q.startswith("since=")] + [f"since={since}"]
+                    )
+                    if finals and not msg["is_final"]:
+                        continue
+                    if as_json:
+                        print(json.dumps(msg, ensure_ascii=False), flush=True)
+                    else:
+                        mark = "■" if msg["is_final"] else "…"
+                        print(f"[{msg['seq']:>6}] {mark} {msg['text']}", flush=True)
+                    shown += 1
+                    if limit is not None and shown >= limit:
+                        return 0
+        except (OSError, websockets.ConnectionClosed) as exc:
+            print(f"connection lost ({type(exc).__name__}); retrying in {backoff:.1f}s",
+                  file=sys.stderr)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10)
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        return asyncio.run(
+            _tail(args.url, args.stream, args.lang, args.since, args.finals, args.json,
+                  args.limit)
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="babelcast", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check an event file")
+    v.add_argument("file")
+    v.set_defaults(func=cmd_validate)
+    r = sub.add_parser("run", help="run an event until Ctrl-C or --duration")
+    r.add_argument("file")
+    r.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    r.add_argument("--plain", action="store_true",
+                   help="print status lines instead of the live terminal view")
+    r.set_defaults(func=cmd_run)
+    t = sub.add_parser("tail", help="print a stream's captions as a client")
+    t.add_argument("stream")
+    t.add_argument("--lang", default=None)
+    t.add_argument("--since", type=int, default=None)
+    t.add_argument("--url", default=os.environ.get("BABELCAST_URL", "http://127.0.0.1:8000"))
+    t.add_argument("--finals", action="store_true", help="only finished captions")
+    t.add_argument("--json", action="store_true", help="one JSON message per line")
+    t.add_argument("--limit", type=int, default=None, help="exit after N captions")
+    t.set_defaults(func=cmd_tail)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    args = build_parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The gateway: REST status, the captions WebSocket, push audio, /metrics.
+
+Captions WebSocket `/v1/streams/{id}/captions?lang=xx&since=SEQ`:
+subscribe to live pub/sub first, then replay the Redis Stream after `since`,
+then forward live messages whose seq is newer than the last one sent. Because
+the subscription is confirmed before the replay is read, nothing published in
+between is missed; because every message carries its seq, nothing is sent
+twice. Without `since` a client starts at the live edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio import Redis
+
+from orchestrator import metrics
+from orchestrator.gateway.hub import CaptionHub, ClientQueue
+from workers.bus import RedisBus, caption_to_json, captions_key
+from workers.events import CaptionSegment, StreamOptions
+from workers.ingest import AudioClock, write_audio
+
+log = logging.getLogger(__name__)
+
+MAX_PUSH_FRAME_BYTES = 64_000  # 2 s of PCM16 16 kHz; larger frames are refused
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayStream:
+    options: StreamOptions
+    source_kind: str
+
+
+def _error(code: str, message: str) -> str:
+    return json.dumps({"type": "error", "code": code, "message": message})
+
+
+def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "") -> FastAPI:
+    by_id = {s.options.stream_id: s for s in streams}
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        redis = Redis.from_url(redis_url)
+        hub = CaptionHub(redis)
+        await hub.start()
+        state.update(redis=redis, bus=RedisBus(redis), hub=hub, clocks={})
+        try:
+            yield
+        finally:
+            await hub.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="Babelcast gateway", lifespan=lifespan)
+
+    def bus() -> RedisBus:
+        b: RedisBus = state["bus"]
+        return b
+
+    async def describe(gs: GatewayStream) -> dict[str, Any]:
+        o = gs.options
+        try:
+            status = await bus().get_status(o.stream_id)
+        except Exception:
+            metrics.REDIS_ERRORS.labels(component="gateway").inc()
+            status = {}
+        return {
+            "id": o.stream_id,
+            "name": o.name,
+            "language": o.language,
+            "caption_lang": o.caption_lang,
+            "targets": list(o.targets),
+            "source_kind": gs.source_kind,
+            "captions_ws": f"/v1/streams/{o.stream_id}/captions?lang={o.caption_lang}",
+            "status": status,
+        }
+
+    @app.get("/healthz")
+    async def healthz() -> JSONResponse:
+        try:
+            await state["redis"].ping()
+        except Exception as exc:
+            return JSONResponse({"ok": False, "redis": type(exc).__name__}, status_code=503)
+        return JSONResponse({"ok": True, "event": event_name, "streams": len(by_id)})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/streams")
+    async def list_streams() -> list[dict[str, Any]]:
+        return [await describe(s) for s in by_id.values()]
+
+    @app.get("/v1/streams/{stream_id}")
+    async def get_stream(stream_id: str) -> dict[str, Any]:
+        gs = by_id.get(stream_id)
+        if gs is None:
+            raise HTTPException(404, f"no stream {stream_id!r} in this event")
+        return await describe(gs)
+
+    @app.websocket("/v1/streams/{stream_id}/captions")
+    async def captions_ws(ws: WebSocket, stream_id: str) -> None:
+        await ws.accept()
+        gs = by_id.get(stream_id)
+        lang = ws.query_params.get("lang") or (gs.options.caption_lang if gs else "")
+        since_raw = ws.query_params.get("since")
+        if gs is None:
+            await ws.send_text(_error("unknown_stream", f"no stream {stream_id!r}"))
+            await ws.close(code=4404)
+            return
+        langs = {gs.options.caption_lang, *gs.options.targets}
+        if lang not in langs:
+            await ws.send_text(_error("unknown_language", f"stream has languages {sorted(langs)}"))
+            await ws.close(code=4404)
+            return
+        try:
+            since = int(since_raw) if since_raw not in (None, "") else None
+        except ValueError:
+            await ws.send_text(_error("invalid_since", "since must be an integer seq"))
+            await ws.close(code=4400)
+            return
+        await _serve_captions(ws, stream_id, lang, since)
+
+    async def _serve_captions(ws: WebSocket, stream_id: str, lang: str, since: int | None) -> None:
+        hub: CaptionHub = state["hub"]
+        key = captions_key(stream_id, lang)
+        queue = ClientQueue()
+        await hub.subscribe(key, queue)
+        gauge = metrics.GATEWAY_CLIENTS.labels(stream=stream_id, lang=lang)
+        gauge.inc()
+        sent = metrics.GATEWAY_MESSAGES.labels(stream=stream_id, lang=lang)
+        last = since
+        if last is None:
+            latest = await bus().last_caption(stream_id, lang)
+            last = latest.seq if latest else 0
+
+        async def send(seg: CaptionSegment) -> None:
+            nonlocal last
+            await ws.send_text(caption_to_json(seg))
+            sent.inc()
+            metrics.GATEWAY_CAPTION_DELIVERY.labels(
+                stream=stream_id, final=str(seg.is_final).lower()
+            ).observe(max(0.0, time.time() - seg.audio_end_wall))
+            last = seg.seq
+
+        async def replay_after(seq: int) -> None:
+            while True:
+                batch = await bus().captions_after(stream_id, lang, seq)
+                for seg in batch:
+                    await send(seg)
+                if len(batch) < 1000:
+                    return
+                seq = batch[-1].seq
+
+        async def pump() -> None:
+            await replay_after(last)
+            dropped_seen = queue.dropped
+            while True:
+                seg = await queue.get()
+                if seg.seq <= last:
+                    continue  # already sent by the replay
+                if seg.seq > last + 1 and queue.dropped == dropped_seen:
+                    # A hole that the slow-client policy did not make: read it back.
+                    await replay_after(last)
+                    if seg.seq <= last:
+                        continue
+                dropped_seen = queue.dropped
+                await send(seg)
+
+        async def watch_close() -> None:
+            # Clients send nothing we need; reading tells us when they leave.
+            with contextlib.suppress(WebSocketDisconnect):
+                while True:
+                    await ws.receive_text()
+
+        pump_task = asyncio.create_task(pump())
+        close_task = asyncio.create_task(watch_close())
+        try:
+            await asyncio.wait({pump_task, close_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (pump_task, close_task):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            gauge.dec()
+            await hub.unsubscribe(key, queue)
+            with contextlib.suppress(Exception):
+                await ws.close()
+
+    @app.websocket("/v1/streams/{stream_id}/audio")
+    async def push_audio_ws(ws: WebSocket, stream_id: str) -> None:
+        await ws.accept()
+        gs = by_id.get(stream_id)
+        if gs is None or gs.source_kind != "push":
+            await ws.send_text(
+                _error("not_push", f"stream {stream_id!r} does not declare `source: push`")
+            )
+            await ws.close(code=4403)
+            return
+        clocks: dict[str, AudioClock] = state["clocks"]
+        clock = clocks.get(stream_id)
+        if clock is None:
+            clock = clocks[stream_id] = AudioClock(
+                stream_id, await bus().last_audio_pos(stream_id)
+            )
+        await bus().set_status(stream_id, source_state="live")
+        frames = metrics.PUSH_FRAMES.labels(stream=stream_id)
+        bad = metrics.PUSH_BAD_FRAMES.labels(stream=stream_id)
+        try:
+            while True:
+                msg = await ws.receive()
+                if msg["type"] == "websocket.disconnect":
+                    break
+                data = msg.get("bytes")
+                if data is None:
+                    # Text frames carry no audio; say so and keep the socket.
+                    bad.inc()
+                    await ws.send_text(_error("invalid_audio", "send binary PCM16 LE frames"))
+                    continue
+                if len(data) % 2 or not data or len(data) > MAX_PUSH_FRAME_BYTES:
+                    bad.inc()
+                    await ws.send_text(
+                        _error("invalid_audio", f"frame of {len(data)} bytes: need an even "
+                               f"length of 2..{MAX_PUSH_FRAME_BYTES} (PCM16 16 kHz mono)")
+                    )
+                    continue
+                frames.inc()
+                await write_audio(bus(), clock, data)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            clock.pending_reason = "push-disconnected"
+            with contextlib.suppress(Exception):
+                await bus().set_status(stream_id, source_state="waiting")
+
+    return app

@@ -1,0 +1,132 @@
+"""Live caption fan-out inside the gateway: one Redis pub/sub connection for all clients.
+
+Each client gets a bounded queue. When a client reads too slowly its queue
+fills; then interims are dropped (the next interim or final of the same
+segment supersedes them anyway) and finals are always kept, so a slow overlay
+may skip a flicker but never a sentence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+
+from orchestrator import metrics
+from workers.bus import caption_from_json
+from workers.events import CaptionSegment
+
+log = logging.getLogger(__name__)
+
+CLIENT_QUEUE_MAX = 256
+
+
+class ClientQueue:
+    def __init__(self, maxsize: int = CLIENT_QUEUE_MAX) -> None:
+        self.maxsize = maxsize
+        self._items: deque[CaptionSegment] = deque()
+        self._ready = asyncio.Event()
+        self.dropped = 0
+
+    def put(self, seg: CaptionSegment) -> None:
+        if len(self._items) >= self.maxsize:
+            kept = deque(s for s in self._items if s.is_final)
+            self.dropped += len(self._items) - len(kept)
+            metrics.GATEWAY_SLOW_DROPS.inc(len(self._items) - len(kept))
+            self._items = kept
+            if not seg.is_final and len(self._items) >= self.maxsize:
+                self.dropped += 1
+                metrics.GATEWAY_SLOW_DROPS.inc()
+                return
+        self._items.append(seg)
+        self._ready.set()
+
+    async def get(self) -> CaptionSegment:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+
+class CaptionHub:
+    def __init__(self, redis: Redis) -> None:
+        self._redis = redis
+        self._pubsub: PubSub | None = None
+        self._clients: dict[str, set[ClientQueue]] = {}
+        self._confirmed: dict[str, asyncio.Event] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._pubsub = self._redis.pubsub()
+        # A pub/sub connection needs a subscription before it can be read from.
+        await self._pubsub.subscribe("babelcast:hub")
+        self._reader = asyncio.create_task(self._read(), name="caption-hub")
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        if self._pubsub is not None:
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def subscribe(self, key: str, queue: ClientQueue) -> None:
+        """Returns once Redis has confirmed the subscription: anything published
+        after this call reaches `queue`, so a replay read afterwards leaves no gap."""
+        assert self._pubsub is not None
+        async with self._lock:
+            clients = self._clients.setdefault(key, set())
+            clients.add(queue)
+            event = self._confirmed.get(key)
+            if event is None:
+                event = self._confirmed[key] = asyncio.Event()
+                await self._pubsub.subscribe(key)
+        await asyncio.wait_for(event.wait(), 10)
+
+    async def unsubscribe(self, key: str, queue: ClientQueue) -> None:
+        assert self._pubsub is not None
+        async with self._lock:
+            clients = self._clients.get(key)
+            if clients is None:
+                return
+            clients.discard(queue)
+            if not clients:
+                del self._clients[key]
+                self._confirmed.pop(key, None)
+                await self._pubsub.unsubscribe(key)
+
+    async def _read(self) -> None:
+        assert self._pubsub is not None
+        while True:
+            try:
+                msg = await self._pubsub.get_message(timeout=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                metrics.REDIS_ERRORS.labels(component="gateway").inc()
+                log.warning("pub/sub read failed: %s", type(exc).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            if msg is None:
+                continue
+            channel = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg[
+                "channel"]
+            if msg["type"] == "subscribe":
+                event = self._confirmed.get(channel)
+                if event is not None:
+                    event.set()
+                continue
+            if msg["type"] != "message":
+                continue
+            try:
+                seg = caption_from_json(msg["data"])
+            except (ValueError, TypeError, KeyError):
+                metrics.UNDECODABLE.labels(component="gateway").inc()
+                continue
+            for queue in list(self._clients.get(channel, ())):
+                queue.put(seg)

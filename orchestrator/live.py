@@ -1,0 +1,84 @@
+"""The live terminal view of `babelcast run`: each stream's state and last caption."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+
+from redis.asyncio import Redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from orchestrator.config import EventConfig
+from workers.bus import RedisBus
+
+
+class LiveView:
+    def __init__(self, cfg: EventConfig, redis: Redis, base_url: str, *, plain: bool,
+                 unplaced: list[str]) -> None:
+        self.cfg = cfg
+        self.bus = RedisBus(redis)
+        self.base = base_url
+        self.plain = plain or not sys.stdout.isatty()
+        self.unplaced = unplaced
+        self.console = Console()
+
+    def urls(self) -> list[str]:
+        lines = [f"gateway   {self.base}/v1/streams", f"metrics   {self.base}/metrics"]
+        for s in self.cfg.streams:
+            lang = s.language if s.language != "auto" else "src"
+            lines.append(f"{s.id:<9} ws{self.base[4:]}/v1/streams/{s.id}/captions?lang={lang}"
+                         f"   (babelcast tail {s.id} --url {self.base})")
+        return lines
+
+    async def rows(self) -> list[tuple[str, str, str, str, str, str, str]]:
+        out = []
+        for s in self.cfg.streams:
+            lang = s.language if s.language != "auto" else "src"
+            try:
+                st = await self.bus.get_status(s.id)
+                last = await self.bus.last_caption(s.id, lang)
+            except Exception as exc:
+                st, last = {"source_state": f"redis: {type(exc).__name__}"}, None
+            state = st.get("asr_state", "waiting")
+            if s.id in self.unplaced:
+                state = "UNPLACED"
+            out.append((
+                s.id,
+                st.get("source_state", "-") + (" ⚠" if st.get("source_error") else ""),
+                state,
+                st.get("asr_actor", "-"),
+                str(int(float(st.get("finals", 0)))),
+                st.get("last_final_latency_s", "-"),
+                (last.text if last else "")[-70:],
+            ))
+        return out
+
+    def table(self, rows: list[tuple[str, str, str, str, str, str, str]]) -> Table:
+        t = Table(title=f"Babelcast — {self.cfg.event}", expand=True)
+        for col in ("stream", "source", "asr", "actor", "finals", "final lat s", "last caption"):
+            t.add_column(col, overflow="ellipsis", no_wrap=True)
+        for r in rows:
+            t.add_row(*r)
+        return t
+
+    async def run(self, stop: asyncio.Event) -> None:
+        header = "\n".join(self.urls())
+        if self.plain:
+            print(header, flush=True)
+            while not stop.is_set():
+                for r in await self.rows():
+                    print(f"{time.strftime('%H:%M:%S')} {r[0]} source={r[1]} asr={r[2]} "
+                          f"actor={r[3]} finals={r[4]} final_latency_s={r[5]}", flush=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 5)
+            return
+        with Live(console=self.console, refresh_per_second=2, transient=False) as live:
+            while not stop.is_set():
+                live.update(Group(self.table(await self.rows()), Text(header, style="dim")))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1)

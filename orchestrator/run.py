@@ -1,0 +1,75 @@
+"""`babelcast run`: everything of one event in one process tree, until Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Generator
+
+import uvicorn
+from redis.asyncio import Redis
+
+from orchestrator.config import EventConfig
+from orchestrator.gateway.app import GatewayStream, create_app
+from orchestrator.live import LiveView
+from orchestrator.redis_server import free_port
+from orchestrator.runtime import EventRuntime, stream_options
+
+log = logging.getLogger(__name__)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our loop: the run command owns Ctrl-C, so shutdown stops the
+    actors first and the gateway last, instead of uvicorn grabbing the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def gateway_streams(cfg: EventConfig) -> list[GatewayStream]:
+    return [GatewayStream(stream_options(s), s.source_kind) for s in cfg.streams]
+
+
+async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
+                    plain: bool = False) -> int:
+    runtime = EventRuntime(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    try:
+        redis_url = await asyncio.to_thread(runtime.start_services)
+        port = cfg.gateway.port or free_port(cfg.gateway.host)
+        app = create_app(redis_url, gateway_streams(cfg), cfg.event)
+        server = _EmbeddedServer(uvicorn.Config(app, host=cfg.gateway.host, port=port,
+                                                log_level="warning", lifespan="on"))
+        gateway = asyncio.create_task(server.serve(), name="gateway")
+        base = f"http://{cfg.gateway.host}:{port}"
+        await runtime.start_actors()
+        supervisor = asyncio.create_task(runtime.supervise(), name="supervisor")
+        redis = Redis.from_url(redis_url)
+        view = LiveView(cfg, redis, base, plain=plain, unplaced=runtime.unplaced)
+        viewer = asyncio.create_task(view.run(stop), name="live-view")
+        timeout = None if duration_s is None else max(0.0, duration_s - (time.monotonic() -
+                                                                         started))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout)
+        stop.set()
+        for task in (viewer, supervisor):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await runtime.stop()
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(gateway, 10)
+        await redis.aclose()
+    finally:
+        await asyncio.to_thread(runtime.stop_services)
+    return 0

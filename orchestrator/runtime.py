@@ -1,0 +1,239 @@
+"""The only code that makes Ray actors: event config → running actors.
+
+It maps the YAML models to the plain options of the floors below, starts a
+local `redis-server` when the event names none, starts (or joins) Ray, makes
+the ingest and ASR actors, pins every stream through the router, and keeps
+desired and running state in line (the supervisor loop): an actor that died
+is replaced and its streams are added again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from orchestrator import metrics
+from orchestrator.config import EventConfig, StreamConfig
+from orchestrator.redis_server import LocalRedisServer
+from orchestrator.router import PlacementError, Router
+from workers.asr import AsrHost, AsrHostOptions
+from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
+from workers.events import StreamOptions
+from workers.ingest import IngestHost, IngestHostOptions
+
+log = logging.getLogger(__name__)
+
+
+def stream_options(s: StreamConfig) -> StreamOptions:
+    return StreamOptions(
+        stream_id=s.id,
+        name=s.name,
+        source=s.resolved_source,
+        language=s.language,
+        targets=tuple(s.targets),
+        loop=s.loop,
+    )
+
+
+def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions:
+    e = cfg.engine
+    return EmbeddedEngineOptions(
+        model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s
+    )
+
+
+class AsrActor:
+    """Ray wrapper of `AsrHost` (async actor: its methods share one event loop)."""
+
+    def __init__(self, options: AsrHostOptions, engine: EmbeddedEngineOptions) -> None:
+        self.host = AsrHost(options, EmbeddedWhisperEngine(engine))
+        self._started = False
+
+    async def _ensure(self) -> None:
+        if not self._started:
+            await self.host.start()
+            self._started = True
+
+    async def add_stream(self, opts: StreamOptions) -> None:
+        await self._ensure()
+        await self.host.add_stream(opts)
+
+    async def remove_stream(self, stream_id: str) -> None:
+        await self.host.remove_stream(stream_id)
+
+    async def streams(self) -> list[str]:
+        return self.host.streams()
+
+    async def health(self) -> dict[str, Any]:
+        await self._ensure()
+        return await self.host.health()
+
+    async def stop(self) -> None:
+        if self._started:
+            await self.host.stop()
+
+
+class IngestActor:
+    def __init__(self, options: IngestHostOptions) -> None:
+        self.host = IngestHost(options)
+        self._started = False
+
+    async def _ensure(self) -> None:
+        if not self._started:
+            await self.host.start()
+            self._started = True
+
+    async def add_stream(self, opts: StreamOptions) -> None:
+        await self._ensure()
+        await self.host.add_stream(opts)
+
+    async def streams(self) -> list[str]:
+        return list(await self.host.health())
+
+    async def health(self) -> dict[str, str]:
+        await self._ensure()
+        return await self.host.health()
+
+    async def stop(self) -> None:
+        if self._started:
+            await self.host.stop()
+
+
+@dataclass
+class EventRuntime:
+    cfg: EventConfig
+    redis_url: str = ""
+    asr: dict[str, Any] = field(default_factory=dict)
+    ingest: dict[str, Any] = field(default_factory=dict)
+    router: Router | None = None
+    unplaced: list[str] = field(default_factory=list)
+    _redis_child: LocalRedisServer | None = None
+    _started_ray: bool = False
+    _ingest_pins: dict[str, str] = field(default_factory=dict)
+
+    # ---- lifecycle ---------------------------------------------------------
+    def start_services(self) -> str:
+        """Redis and Ray (blocking; call before the event loop work starts)."""
+        if self.cfg.redis.url:
+            self.redis_url = self.cfg.redis.url
+        else:
+            self._redis_child = LocalRedisServer()
+            self.redis_url = self._redis_child.start()
+        if not ray.is_initialized():
+            ray.init(
+                address=self.cfg.ray.address,
+                num_cpus=self.cfg.ray.num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
+            self._started_ray = True
+        return self.redis_url
+
+    async def start_actors(self) -> None:
+        e = self.cfg.engine
+        # num_cpus=0: actors are long-lived and CPU use is governed by the engine's
+        # own threads; reserving CPUs would stop a 2-core laptop from placing them.
+        actor_opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1}
+        asr_cls = ray.remote(**actor_opts)(AsrActor)
+        ingest_cls = ray.remote(**actor_opts)(IngestActor)
+        for i in range(e.actors):
+            actor_id = f"asr-{i}"
+            self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}").remote(
+                AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
+                               max_streams=e.streams_per_actor),
+                engine_options(self.cfg),
+            )
+        for i in range(self.cfg.ingest.actors):
+            actor_id = f"ingest-{i}"
+            self.ingest[actor_id] = ingest_cls.options(name=f"babelcast-{actor_id}").remote(
+                IngestHostOptions(actor_id=actor_id, redis_url=self.redis_url)
+            )
+        self.router = Router(budget=e.streams_per_actor, actors=list(self.asr))
+        await self.place_all()
+
+    async def place_all(self) -> None:
+        assert self.router is not None
+        self.unplaced = []
+        ingest_ids = list(self.ingest)
+        for n, s in enumerate(self.cfg.streams):
+            opts = stream_options(s)
+            try:
+                actor = self.router.place(s.id)
+            except PlacementError as exc:
+                log.error("%s", exc)
+                self.unplaced.append(s.id)
+                continue
+            await self.asr[actor].add_stream.remote(opts)
+            if s.source_kind != "push":
+                ing = self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
+                await self.ingest[ing].add_stream.remote(opts)
+        self._export_placement()
+
+    def _export_placement(self) -> None:
+        assert self.router is not None
+        for actor in self.asr:
+            metrics.STREAMS_PLACED.labels(actor=actor).set(self.router.load(actor))
+        metrics.STREAMS_UNPLACED.set(len(self.unplaced))
+
+    async def reconcile(self, timeout_s: float = 20.0) -> list[str]:
+        """Re-add streams to actors that lost them (restarted by Ray); returns problems."""
+        assert self.router is not None
+        problems: list[str] = []
+        streams = {s.id: s for s in self.cfg.streams}
+        for actor_id, handle in self.asr.items():
+            want = {s for s, a in self.router.pins.items() if a == actor_id}
+            try:
+                have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+            except (RayActorError, GetTimeoutError, TimeoutError) as exc:
+                problems.append(f"{actor_id}: {type(exc).__name__}")
+                continue
+            for sid in sorted(want - have):
+                log.warning("re-adding stream %s to %s", sid, actor_id)
+                await handle.add_stream.remote(stream_options(streams[sid]))
+        for actor_id, handle in self.ingest.items():
+            want = {s for s, a in self._ingest_pins.items() if a == actor_id}
+            try:
+                have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+            except (RayActorError, GetTimeoutError, TimeoutError) as exc:
+                problems.append(f"{actor_id}: {type(exc).__name__}")
+                continue
+            for sid in sorted(want - have):
+                await handle.add_stream.remote(stream_options(streams[sid]))
+        return problems
+
+    async def supervise(self, every_s: float = 5.0) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(Exception):
+                await self.reconcile()
+
+    async def stop(self) -> None:
+        for handle in [*self.ingest.values(), *self.asr.values()]:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(handle.stop.remote(), 10)
+        for handle in [*self.ingest.values(), *self.asr.values()]:
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+        self.asr.clear()
+        self.ingest.clear()
+
+    def stop_services(self) -> None:
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        if self._redis_child is not None:
+            self._redis_child.stop()
+            self._redis_child = None
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until every ASR actor has loaded its engine (first health answer)."""
+        deadline = time.monotonic() + timeout_s
+        for handle in self.asr.values():
+            await asyncio.wait_for(handle.health.remote(), max(1.0, deadline - time.monotonic()))

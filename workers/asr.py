@@ -1,0 +1,246 @@
+"""The ASR host: one speech engine, one session per pinned stream.
+
+A plain class (the orchestrator's runtime wraps it in a Ray actor). One reader
+task pulls audio for all pinned streams from Redis with a single blocking
+XREAD and hands each item to its stream's session; one task per stream turns
+the session's deltas into caption segments and publishes them. A stream whose
+session fails gets a new session after a backoff, its open caption is closed,
+and no other stream notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from workers.bus import RedisBus
+from workers.captions.segmenter import Segmenter
+from workers.engines.base import RecognizeSession, SessionOptions, SpeechEngine
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions, TranscriptDelta
+
+log = logging.getLogger(__name__)
+
+
+class WallMap:
+    """Maps a stream's audio time to the wall time at which that audio was captured."""
+
+    def __init__(self, keep: int = 2000) -> None:
+        self._ends: deque[int] = deque(maxlen=keep)
+        self._walls: deque[float] = deque(maxlen=keep)
+
+    def add(self, chunk: AudioChunk) -> None:
+        self._ends.append(chunk.pos + chunk.samples)
+        self._walls.append(chunk.wall)
+
+    def wall_of(self, t_s: float) -> float:
+        if not self._ends:
+            return time.time()
+        pos = int(t_s * SAMPLE_RATE)
+        ends = list(self._ends)
+        i = min(bisect.bisect_left(ends, pos), len(ends) - 1)
+        return self._walls[i] - (ends[i] - pos) / SAMPLE_RATE
+
+
+@dataclass(frozen=True, slots=True)
+class AsrHostOptions:
+    actor_id: str
+    redis_url: str
+    max_streams: int
+    restart_backoff_s: float = 1.0
+    read_block_ms: int = 200
+
+
+class _StreamRunner:
+    def __init__(self, host: AsrHost, opts: StreamOptions) -> None:
+        self.host = host
+        self.opts = opts
+        self.walls = WallMap()
+        self.session: RecognizeSession | None = None
+        self.segmenter: Segmenter | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.failures = 0
+
+    @property
+    def bus(self) -> RedisBus:
+        return self.host.bus
+
+    async def start(self) -> None:
+        lang = self.opts.caption_lang
+        last = await self.bus.last_caption(self.opts.stream_id, lang)
+        # Continue seq and segment ids after a restart: clients resume by seq.
+        self.segmenter = Segmenter(
+            self.opts.stream_id,
+            lang,
+            next_seq=last.seq + 1 if last else 1,
+            next_segment_id=last.segment_id + 1 if last else 1,
+            wall_of=self.walls.wall_of,
+        )
+        self.session = self._open()
+        self.task = asyncio.create_task(self._consume(), name=f"asr:{self.opts.stream_id}")
+        await self.bus.set_status(
+            self.opts.stream_id, asr_state="listening", asr_actor=self.host.options.actor_id
+        )
+
+    def _open(self) -> RecognizeSession:
+        return self.host.engine.open_session(
+            SessionOptions(stream_id=self.opts.stream_id, language=self.opts.language)
+        )
+
+    async def push(self, item: AudioChunk | AudioGap) -> None:
+        if isinstance(item, AudioChunk):
+            self.walls.add(item)
+        if self.session is not None:
+            await self.session.push(item)
+
+    async def _publish(self, delta: TranscriptDelta) -> None:
+        assert self.segmenter is not None
+        for seg in self.segmenter.feed(delta):
+            await self.bus.publish_caption(seg)
+            fields: dict[str, str | float | int] = {
+                "asr_state": "captioning",
+                "last_caption_at": seg.emit_time,
+                "last_seq": seg.seq,
+            }
+            if seg.is_final:
+                fields["last_final_latency_s"] = round(seg.emit_time - seg.audio_end_wall, 3)
+                await self.bus.incr_status(self.opts.stream_id, "finals")
+            await self.bus.set_status(self.opts.stream_id, **fields)
+
+    async def _consume(self) -> None:
+        stream = self.opts.stream_id
+        while True:
+            try:
+                assert self.session is not None
+                async for delta in self.session:
+                    await self._publish(delta)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.failures += 1
+                log.warning("stream %s: session failed (%s); opening a new one", stream,
+                            type(exc).__name__)
+                with contextlib.suppress(Exception):
+                    await self.bus.incr_status(stream, "session_errors")
+                    await self.bus.set_status(stream, asr_state="restarting",
+                                              asr_error=type(exc).__name__)
+                    # Close what was on screen: the new session starts from fresh audio.
+                    await self._publish(TranscriptDelta(end_of_utterance=True))
+                if self.session is not None:
+                    await self.session.aclose()
+                self.session = None
+                await asyncio.sleep(self.host.options.restart_backoff_s)
+                try:
+                    self.session = self._open()
+                except Exception as open_exc:
+                    log.warning("stream %s: cannot open a session: %s", stream, open_exc)
+                    continue
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self.task, 5)
+        if self.session is not None:
+            await self.session.aclose()
+
+
+class AsrHost:
+    def __init__(self, options: AsrHostOptions, engine: SpeechEngine) -> None:
+        self.options = options
+        self.engine = engine
+        self._redis: Redis | None = None
+        self._bus: RedisBus | None = None
+        self._runners: dict[str, _StreamRunner] = {}
+        self._cursors: dict[str, str] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    @property
+    def bus(self) -> RedisBus:
+        if self._bus is None:
+            raise RuntimeError("AsrHost.start() was not called")
+        return self._bus
+
+    async def start(self) -> None:
+        self._redis = Redis.from_url(self.options.redis_url)
+        self._bus = RedisBus(self._redis)
+        await self.engine.start()
+        self._reader = asyncio.create_task(self._read_loop(), name="asr-reader")
+
+    async def add_stream(self, opts: StreamOptions) -> None:
+        if opts.stream_id in self._runners:
+            return
+        if len(self._runners) >= self.options.max_streams:
+            raise RuntimeError(
+                f"actor {self.options.actor_id} is full ({self.options.max_streams} streams)"
+            )
+        runner = _StreamRunner(self, opts)
+        await runner.start()
+        self._runners[opts.stream_id] = runner
+        # Start at the live edge: audio older than this was captioned by whoever
+        # had the stream before, or nobody was listening.
+        self._cursors[opts.stream_id] = await self.bus.last_audio_id(opts.stream_id)
+        self._wake.set()
+
+    async def remove_stream(self, stream_id: str) -> None:
+        self._cursors.pop(stream_id, None)
+        runner = self._runners.pop(stream_id, None)
+        if runner is not None:
+            await runner.stop()
+
+    def streams(self) -> list[str]:
+        return list(self._runners)
+
+    async def health(self) -> dict[str, Any]:
+        return {
+            "actor_id": self.options.actor_id,
+            "streams": {sid: {"failures": r.failures} for sid, r in self._runners.items()},
+            "engine_ok": await self.engine.check_health(),
+        }
+
+    async def _read_loop(self) -> None:
+        while True:
+            if not self._cursors:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                items = await self.bus.read_audio(
+                    dict(self._cursors), block_ms=self.options.read_block_ms
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis hiccup: keep the cursors, try again
+                log.warning("audio read failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for stream, entry_id, item in items:
+                runner = self._runners.get(stream)
+                if runner is None or stream not in self._cursors:
+                    continue
+                self._cursors[stream] = entry_id
+                if item is not None:
+                    try:
+                        await runner.push(item)
+                    except Exception as exc:
+                        log.warning("stream %s: push failed: %s", stream, type(exc).__name__)
+
+    async def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+        for stream_id in list(self._runners):
+            await self.remove_stream(stream_id)
+        await self.engine.aclose()
+        if self._redis is not None:
+            await self._redis.aclose()

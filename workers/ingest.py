@@ -1,0 +1,183 @@
+"""Ingest: sources → `audio:{stream}`, one asyncio task per stream.
+
+`IngestHost` is a plain class (the orchestrator's runtime wraps it in a Ray
+actor). Blocking decode work runs in the host's thread pool, so one host
+decodes many streams. A failing source is retried with exponential backoff,
+its state and error are written to the stream's status, and when audio comes
+back the hole is recorded as an `AudioGap` with the audio clock moved on by
+the time lost: audio from both sides of a hole is never glued together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from workers.bus import RedisBus
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
+from workers.sources.base import AudioSource, SourceError
+from workers.sources.factory import open_source
+
+log = logging.getLogger(__name__)
+
+GAP_MIN_S = 0.25
+"""A pause between chunks longer than this (beyond the chunk's own length) is a gap."""
+
+
+class AudioClock:
+    """Stamps one stream's audio with its position and records gaps.
+
+    The audio clock follows wall time across holes: after a 5 s outage the next
+    chunk starts 5 s later in audio time, so captions and archives stay aligned
+    with the event's clock.
+    """
+
+    def __init__(self, stream: str, pos: int, clock: Callable[[], float] = time.time) -> None:
+        self.stream = stream
+        self.pos = pos
+        self._clock = clock
+        self._last_wall: float | None = None
+        self.pending_reason: str | None = None
+
+    def stamp(self, pcm: bytes) -> tuple[AudioGap | None, AudioChunk]:
+        now = self._clock()
+        samples = len(pcm) // 2
+        gap: AudioGap | None = None
+        if self._last_wall is not None:
+            lost = now - self._last_wall - samples / SAMPLE_RATE
+            if lost > GAP_MIN_S or self.pending_reason is not None:
+                lost = max(lost, 0.0)
+                self.pos += int(lost * SAMPLE_RATE)
+                gap = AudioGap(self.stream, self.pos, lost, self.pending_reason or "late", now)
+        self.pending_reason = None
+        chunk = AudioChunk(self.stream, self.pos, pcm, now)
+        self.pos += samples
+        self._last_wall = now
+        return gap, chunk
+
+
+async def write_audio(bus: RedisBus, clock: AudioClock, pcm: bytes) -> AudioGap | None:
+    """Stamp and write one chunk (and the gap before it, if any)."""
+    gap, chunk = clock.stamp(pcm)
+    if gap is not None:
+        await bus.add_gap(gap)
+        await bus.incr_status(clock.stream, "gaps")
+        await bus.incr_status(clock.stream, "gap_seconds", gap.duration_s)
+    await bus.add_audio(chunk)
+    return gap
+
+
+@dataclass(frozen=True, slots=True)
+class IngestHostOptions:
+    actor_id: str
+    redis_url: str
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 10.0
+    decode_threads: int = 8
+
+
+SourceFactory = Callable[[StreamOptions, Any], AudioSource]
+
+
+def _default_factory(opts: StreamOptions, executor: Any) -> AudioSource:
+    return open_source(opts.source, loop=opts.loop, executor=executor)
+
+
+class IngestHost:
+    def __init__(self, options: IngestHostOptions, source_factory: SourceFactory | None = None):
+        self.options = options
+        self._factory = source_factory or _default_factory
+        self._redis: Redis | None = None
+        self._bus: RedisBus | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._state: dict[str, str] = {}
+
+    async def start(self) -> None:
+        self._redis = Redis.from_url(self.options.redis_url)
+        self._bus = RedisBus(self._redis)
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.options.decode_threads, thread_name_prefix="decode"
+        )
+
+    @property
+    def bus(self) -> RedisBus:
+        if self._bus is None:
+            raise RuntimeError("IngestHost.start() was not called")
+        return self._bus
+
+    async def add_stream(self, opts: StreamOptions) -> None:
+        if opts.stream_id in self._tasks:
+            return
+        self._state[opts.stream_id] = "starting"
+        self._tasks[opts.stream_id] = asyncio.create_task(
+            self._run(opts), name=f"ingest:{opts.stream_id}"
+        )
+
+    async def remove_stream(self, stream_id: str) -> None:
+        task = self._tasks.pop(stream_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 5)
+        self._state.pop(stream_id, None)
+
+    async def health(self) -> dict[str, str]:
+        return dict(self._state)
+
+    async def stop(self) -> None:
+        for stream_id in list(self._tasks):
+            await self.remove_stream(stream_id)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def _set(self, stream: str, state: str, **fields: str | float | int) -> None:
+        self._state[stream] = state
+        await self.bus.set_status(stream, source_state=state, ingest_actor=self.options.actor_id,
+                                  **fields)
+
+    async def _run(self, opts: StreamOptions) -> None:
+        stream = opts.stream_id
+        clock = AudioClock(stream, await self.bus.last_audio_pos(stream))
+        attempt = 0
+        while True:
+            source = self._factory(opts, self._pool)
+            await self._set(stream, "connecting")
+            try:
+                live = False
+                async for pcm in source.chunks():
+                    await write_audio(self.bus, clock, pcm)
+                    if not live:
+                        live = True
+                        attempt = 0
+                        await self._set(stream, "live", source_error="")
+                await self._set(stream, "ended")
+                return
+            except SourceError as exc:
+                # Message is operator-facing and carries no caption text.
+                log.warning("stream %s: source error: %s", stream, exc)
+                clock.pending_reason = "source-error"
+                await self.bus.incr_status(stream, "source_reconnects")
+                await self._set(stream, "reconnecting", source_error=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in one source never stops the others
+                log.exception("stream %s: source crashed", stream)
+                clock.pending_reason = "source-crash"
+                await self._set(stream, "reconnecting", source_error=f"{type(exc).__name__}")
+            finally:
+                with contextlib.suppress(Exception):
+                    await source.aclose()
+            delay = min(self.options.backoff_max_s, self.options.backoff_initial_s * 2**attempt)
+            attempt += 1
+            await asyncio.sleep(delay)
