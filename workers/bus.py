@@ -44,13 +44,14 @@ def status_key(stream: str) -> str:
 
 
 def caption_to_json(seg: CaptionSegment) -> str:
-    data = asdict(seg)
+    data: dict[str, Any] = {"type": "caption", **asdict(seg)}
     data["lines"] = list(seg.lines)
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
 def caption_from_json(raw: str | bytes) -> CaptionSegment:
     data = json.loads(raw)
+    data.pop("type", None)
     data["lines"] = tuple(data["lines"])
     return CaptionSegment(**data)
 

@@ -1,0 +1,238 @@
+"""End to end on real parts: `babelcast run` (local Ray, real redis-server, the embedded
+Whisper engine) captions the reference speech; clients read it over the gateway.
+
+One event runs for the whole module (starting Ray and loading the model costs
+~15 s); the tests read it from different angles while it plays:
+- `talk` plays the five LibriVox utterances once, from a file;
+- `broken` points at a port where nothing listens;
+- `pushed` takes PCM16 frames over the push WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jiwer
+import pytest
+import websockets
+
+from orchestrator.redis_server import LocalRedisServer, free_port
+from tests.conftest import AUDIO, decode_pcm16, normalize, reference_text, write_reference_wav
+
+pytestmark = pytest.mark.integration
+
+RECV_TIMEOUT_S = 30.0
+
+
+class Event:
+    def __init__(self, base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.base = base
+        self.ws = base.replace("http://", "ws://")
+        self.proc = proc
+        self.log = log
+        self.started = time.time()
+
+
+@pytest.fixture(scope="module")
+def event(redis_server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Event]:
+    tmp = tmp_path_factory.mktemp("event")
+    talk = write_reference_wav(tmp / "talk.wav")
+    port = free_port()
+    dead = free_port()  # nothing listens here
+    cfg = tmp / "event.yaml"
+    cfg.write_text(f"""
+event: pipeline test
+redis: {{url: "{redis_server.url}"}}
+engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 3}}
+streams:
+  - {{id: talk, source: "{talk}", language: en}}
+  - {{id: broken, source: "http://127.0.0.1:{dead}/live.mp3", language: en}}
+  - {{id: pushed, source: push, language: en}}
+gateway: {{host: 127.0.0.1, port: {port}}}
+""")
+    log = tmp / "run.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
+             "--duration", "400"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"babelcast run exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail(f"gateway did not come up: {log.read_text()[-3000:]}")
+    ev = Event(base, proc, log)
+    yield ev
+    proc.send_signal(signal.SIGINT)  # what an operator's Ctrl-C sends
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def messages(url: str) -> AsyncIterator[dict[str, Any]]:
+    async with websockets.connect(url) as ws:
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), RECV_TIMEOUT_S)
+            yield json.loads(raw)
+
+
+async def collect_talk_finals(event: Event) -> list[dict[str, Any]]:
+    """All publications of `talk` from the first, until its source has ended and
+    nothing new has come for a few seconds."""
+    out: list[dict[str, Any]] = []
+    url = f"{event.ws}/v1/streams/talk/captions?lang=en&since=0"
+    async with websockets.connect(url) as ws, httpx.AsyncClient(base_url=event.base) as http:
+        while True:
+            try:
+                msg = json.loads(await asyncio.wait_for(ws.recv(), 4.0))
+            except TimeoutError:
+                status = (await http.get("/v1/streams/talk")).json()["status"]
+                if status.get("source_state") == "ended" and out and out[-1]["is_final"]:
+                    return out
+                continue
+            assert msg["type"] == "caption", msg
+            out.append(msg)
+
+
+@pytest.fixture(scope="module")
+def talk_messages(event: Event) -> list[dict[str, Any]]:
+    return asyncio.run(asyncio.wait_for(collect_talk_finals(event), 180))
+
+
+def test_finals_of_reference_speech_have_low_wer(talk_messages: list[dict[str, Any]]) -> None:
+    finals = [m["text"] for m in talk_messages if m["is_final"]]
+    hyp = normalize(" ".join(finals))
+    wer = jiwer.wer(normalize(reference_text()), hyp)
+    assert wer <= 0.10, f"WER {wer:.3f}"
+
+
+def test_seq_is_contiguous_and_finals_are_never_revised(
+    talk_messages: list[dict[str, Any]],
+) -> None:
+    seqs = [m["seq"] for m in talk_messages]
+    assert seqs == list(range(1, len(seqs) + 1))
+    final_ids = set()
+    for m in talk_messages:
+        assert m["segment_id"] not in final_ids, "a final segment was published again"
+        if m["is_final"]:
+            final_ids.add(m["segment_id"])
+        for line in m["lines"]:
+            assert len(line) <= 42
+        assert len(m["lines"]) <= 2
+    assert len(final_ids) >= 5
+
+
+def test_broken_source_is_reported_and_does_not_disturb_others(
+    event: Event, talk_messages: list[dict[str, Any]]
+) -> None:
+    # `talk` was captioned in full above while `broken` kept failing.
+    status = httpx.get(f"{event.base}/v1/streams/broken").json()["status"]
+    assert status["source_state"] in {"reconnecting", "connecting"}
+    assert float(status["source_reconnects"]) >= 2
+    assert "127.0.0.1" in status["source_error"]
+    listing = {s["id"]: s for s in httpx.get(f"{event.base}/v1/streams").json()}
+    assert set(listing) == {"talk", "broken", "pushed"}
+    assert listing["talk"]["status"]["asr_state"] == "captioning"
+
+
+def test_client_reconnecting_with_since_gets_exactly_what_it_missed(
+    event: Event, talk_messages: list[dict[str, Any]]
+) -> None:
+    everything = [(m["seq"], m["text"], m["is_final"]) for m in talk_messages]
+
+    async def run() -> list[tuple[int, str, bool]]:
+        got: list[tuple[int, str, bool]] = []
+        url = f"{event.ws}/v1/streams/talk/captions?lang=en&since=0"
+        async for msg in messages(url):
+            got.append((msg["seq"], msg["text"], msg["is_final"]))
+            if len(got) == 7:
+                break
+        url = f"{event.ws}/v1/streams/talk/captions?lang=en&since={got[-1][0]}"
+        async for msg in messages(url):
+            got.append((msg["seq"], msg["text"], msg["is_final"]))
+            if msg["seq"] == everything[-1][0]:
+                break
+        return got
+
+    assert asyncio.run(asyncio.wait_for(run(), 60)) == everything
+
+
+def test_bad_query_and_unknown_stream_get_error_events(event: Event) -> None:
+    async def first(url: str) -> dict[str, Any]:
+        async with websockets.connect(url) as ws:
+            return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+
+    assert asyncio.run(first(f"{event.ws}/v1/streams/nope/captions"))["code"] == "unknown_stream"
+    bad = asyncio.run(first(f"{event.ws}/v1/streams/talk/captions?lang=en&since=x"))
+    assert bad["code"] == "invalid_since"
+    assert httpx.get(f"{event.base}/v1/streams/nope").status_code == 404
+    assert "babelcast_gateway_messages_total" in httpx.get(f"{event.base}/metrics").text
+
+
+def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> None:
+    pcm = decode_pcm16(AUDIO / "room-b.flac")
+
+    async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        finals: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+
+        async def listen() -> None:
+            async for msg in messages(f"{event.ws}/v1/streams/pushed/captions?lang=en"):
+                if msg["is_final"] and msg["text"]:
+                    finals.append(msg)
+                    if "himself" in msg["text"]:
+                        return
+
+        listener = asyncio.create_task(listen())
+        await asyncio.sleep(0.5)
+        async with websockets.connect(f"{event.ws}/v1/streams/pushed/audio") as ws:
+            await ws.send(b"\x00\x01\x02")  # odd length: not PCM16
+            errors.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            await ws.send("hello")  # text frame
+            errors.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            t0 = time.monotonic()
+            for i in range(0, len(pcm), 3200):  # the socket survived: real audio follows
+                await ws.send(pcm[i : i + 3200])
+                await asyncio.sleep(max(0.0, t0 + (i + 3200) / 32000 - time.monotonic()))
+            silence = bytes(3200)
+            for _ in range(15):
+                await ws.send(silence)
+                await asyncio.sleep(0.1)
+            await asyncio.wait_for(listener, 30)
+        return finals, errors
+
+    finals, errors = asyncio.run(asyncio.wait_for(run(), 90))
+    assert [e["code"] for e in errors] == ["invalid_audio", "invalid_audio"]
+    ref = normalize((AUDIO / "room-b.txt").read_text())
+    wer = jiwer.wer(ref, normalize(" ".join(m["text"] for m in finals)))
+    assert wer <= 0.15, f"WER {wer:.3f}"
+
+
+def test_push_to_a_pulled_stream_is_refused(event: Event) -> None:
+    async def run() -> dict[str, Any]:
+        async with websockets.connect(f"{event.ws}/v1/streams/talk/audio") as ws:
+            return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+
+    assert asyncio.run(run())["code"] == "not_push"
