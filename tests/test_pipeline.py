@@ -27,7 +27,7 @@ import pytest
 import websockets
 
 from orchestrator.redis_server import LocalRedisServer, free_port
-from tests.conftest import AUDIO, decode_pcm16, normalize, reference_text, write_reference_wav
+from tests.speech import AUDIO, decode_pcm16, normalize, reference_text, write_reference_wav
 
 pytestmark = pytest.mark.integration
 

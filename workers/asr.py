@@ -163,6 +163,7 @@ class AsrHost:
         self._cursors: dict[str, str] = {}
         self._reader: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._reporter: asyncio.Task[None] | None = None
 
     @property
     def bus(self) -> RedisBus:
@@ -175,6 +176,7 @@ class AsrHost:
         self._bus = RedisBus(self._redis)
         await self.engine.start()
         self._reader = asyncio.create_task(self._read_loop(), name="asr-reader")
+        self._reporter = asyncio.create_task(self._report_loop(), name="asr-report")
 
     async def add_stream(self, opts: StreamOptions) -> None:
         if opts.stream_id in self._runners:
@@ -234,11 +236,23 @@ class AsrHost:
                     except Exception as exc:
                         log.warning("stream %s: push failed: %s", stream, type(exc).__name__)
 
+    async def _report_loop(self, every_s: float = 2.0) -> None:
+        """Engine counters to `actor:{id}` for status views and benchmarks."""
+        while True:
+            with contextlib.suppress(Exception):
+                await self.bus.set_actor_status(
+                    self.options.actor_id,
+                    {**self.engine.stats(), "streams": len(self._runners),
+                     "max_streams": self.options.max_streams},
+                )
+            await asyncio.sleep(every_s)
+
     async def stop(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
+        for task in (self._reader, self._reporter):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         for stream_id in list(self._runners):
             await self.remove_stream(stream_id)
         await self.engine.aclose()

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -41,6 +41,10 @@ def captions_key(stream: str, lang: str) -> str:
 
 def status_key(stream: str) -> str:
     return f"status:{stream}"
+
+
+def actor_key(actor_id: str) -> str:
+    return f"actor:{actor_id}"
 
 
 def caption_to_json(seg: CaptionSegment) -> str:
@@ -185,10 +189,19 @@ class RedisBus:
     async def set_status(self, stream: str, **fields: str | float | int) -> None:
         mapping: dict[str, str] = {k: str(v) for k, v in fields.items()}
         mapping["updated"] = repr(time.time())
-        await self.redis.hset(status_key(stream), mapping=cast(Any, mapping))
+        await self.redis.hset(status_key(stream), mapping=mapping)
 
     async def incr_status(self, stream: str, counter: str, amount: float = 1) -> None:
         await self.redis.hincrbyfloat(status_key(stream), counter, amount)
+
+    async def set_actor_status(self, actor_id: str, fields: Mapping[str, float | str]) -> None:
+        mapping = {k: str(v) for k, v in fields.items()}
+        mapping["updated"] = repr(time.time())
+        await self.redis.hset(actor_key(actor_id), mapping=mapping)
+
+    async def get_actor_status(self, actor_id: str) -> dict[str, str]:
+        raw = await self.redis.hgetall(actor_key(actor_id))
+        return {_s(k): _s(v) for k, v in raw.items()}
 
     async def get_status(self, stream: str) -> dict[str, str]:
         raw = await self.redis.hgetall(status_key(stream))

@@ -55,7 +55,7 @@ class AudioClock:
             lost = now - self._last_wall - samples / SAMPLE_RATE
             if lost > GAP_MIN_S or self.pending_reason is not None:
                 lost = max(lost, 0.0)
-                self.pos += int(lost * SAMPLE_RATE)
+                self.pos += round(lost * SAMPLE_RATE)
                 gap = AudioGap(self.stream, self.pos, lost, self.pending_reason or "late", now)
         self.pending_reason = None
         chunk = AudioChunk(self.stream, self.pos, pcm, now)

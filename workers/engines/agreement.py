@@ -15,6 +15,9 @@ import re
 
 from workers.events import Word
 
+DEDUPE_WINDOW_S = 1.0
+"""Repeated words this close to the last committed word are the same words seen again."""
+
 _NORM = re.compile(r"[^\w']+", re.UNICODE)
 
 
@@ -41,8 +44,9 @@ class LocalAgreement:
     def _fresh(self, hypothesis: list[Word]) -> list[Word]:
         """The part of `hypothesis` that lies after what is committed."""
         words = [w for w in hypothesis if w.start_s > self._last_end - 0.1 and norm(w.text)]
-        # The window may start inside the last committed words: drop a repeated n-gram.
-        if words and self.committed:
+        # The window may start inside the last committed words: drop a repeated n-gram,
+        # but only right at the boundary; a word said again after a pause is new speech.
+        if words and self.committed and words[0].start_s - self._last_end < DEDUPE_WINDOW_S:
             tail = [norm(w.text) for w in self.committed[-self.max_ngram :]]
             for n in range(min(self.max_ngram, len(words), len(tail)), 0, -1):
                 if tail[-n:] == [norm(w.text) for w in words[:n]]:

@@ -142,3 +142,7 @@ class SpeechEngine(ABC):
 
     async def check_health(self) -> bool:
         return True
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative engine counters (e.g. busy seconds), for status and benchmarks."""
+        return {}

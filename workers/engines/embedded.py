@@ -69,7 +69,7 @@ class EmbeddedWhisperEngine(SpeechEngine):
         self._info = model_info(options.model)
         self._model: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self.stats = DecodeStats()
+        self._stats = DecodeStats()
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -87,6 +87,13 @@ class EmbeddedWhisperEngine(SpeechEngine):
             self._pool,
             lambda: load_whisper(self.options.model, cpu_threads=self.options.cpu_threads),
         )
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "decode_calls": self._stats.calls,
+            "decode_audio_s": round(self._stats.audio_s, 3),
+            "decode_busy_s": round(self._stats.busy_s, 3),
+        }
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -148,9 +155,9 @@ class EmbeddedWhisperEngine(SpeechEngine):
             for w in (seg.words or [])
             if w.word.strip()
         ]
-        self.stats.calls += 1
-        self.stats.audio_s += audio.size / SAMPLE_RATE
-        self.stats.busy_s += time.perf_counter() - t0
+        self._stats.calls += 1
+        self._stats.audio_s += audio.size / SAMPLE_RATE
+        self._stats.busy_s += time.perf_counter() - t0
         return words, getattr(info, "language", None)
 
 
