@@ -236,3 +236,17 @@ def test_push_to_a_pulled_stream_is_refused(event: Event) -> None:
             return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
 
     assert asyncio.run(run())["code"] == "not_push"
+
+
+def test_tail_prints_captions_as_a_client(
+    event: Event, talk_messages: list[dict[str, Any]]
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "tail", "talk", "--url", event.base,
+         "--lang", "en", "--since", "0", "--finals", "--json", "--limit", "3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    got = [json.loads(line) for line in result.stdout.splitlines()]
+    want = [m for m in talk_messages if m["is_final"]][:3]
+    assert [(m["seq"], m["text"]) for m in got] == [(m["seq"], m["text"]) for m in want]
