@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Generator
 
@@ -30,6 +31,20 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+async def _serve(server: uvicorn.Server) -> None:
+    with contextlib.suppress(SystemExit):  # uvicorn exits on a bind failure; we report it
+        await server.serve()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def gateway_streams(cfg: EventConfig) -> list[GatewayStream]:
     return [GatewayStream(stream_options(s), s.source_kind) for s in cfg.streams]
 
@@ -39,17 +54,29 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
     runtime = EventRuntime(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     started = time.monotonic()
+    if cfg.gateway.port and not _port_free(cfg.gateway.host, cfg.gateway.port):
+        log.error("gateway port %s:%s is in use; stop what uses it or set gateway.port "
+                  "(0 picks a free one)", cfg.gateway.host, cfg.gateway.port)
+        return 2
     try:
-        redis_url = await asyncio.to_thread(runtime.start_services)
+        # In the main thread (Ray wants it), and before our signal handlers so that
+        # Ctrl-C and SIGTERM reach the graceful stop below rather than Ray's handler.
+        redis_url = runtime.start_services()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
         port = cfg.gateway.port or free_port(cfg.gateway.host)
         app = create_app(redis_url, gateway_streams(cfg), cfg.event)
         server = _EmbeddedServer(uvicorn.Config(app, host=cfg.gateway.host, port=port,
                                                 log_level="warning", lifespan="on"))
-        gateway = asyncio.create_task(server.serve(), name="gateway")
+        gateway = asyncio.create_task(_serve(server), name="gateway")
+        while not server.started:
+            if gateway.done():
+                log.error("gateway could not listen on %s:%s (port in use?); set gateway.port",
+                          cfg.gateway.host, port)
+                return 2
+            await asyncio.sleep(0.05)
         base = f"http://{cfg.gateway.host}:{port}"
         await runtime.start_actors()
         supervisor = asyncio.create_task(runtime.supervise(), name="supervisor")
