@@ -114,16 +114,17 @@ class RedisBus:
         )
         return _s(entry_id)
 
-    async def last_audio_pos(self, stream: str) -> int:
-        """Where the stream's audio clock stands (0 for a new stream)."""
+    async def last_audio_end(self, stream: str) -> tuple[int, float | None]:
+        """Where the stream's audio clock stands and the wall time of that point
+        ((0, None) for a new stream)."""
         entries = await self.redis.xrevrange(audio_key(stream), count=1)
         if not entries:
-            return 0
+            return 0, None
         _, fields = entries[0]
         pos = int(fields[b"pos"])
         if fields[b"k"] == b"pcm":
             pos += len(fields[b"pcm"]) // 2
-        return pos
+        return pos, float(fields[b"wall"])
 
     async def last_audio_id(self, stream: str) -> str:
         entries = await self.redis.xrevrange(audio_key(stream), count=1)

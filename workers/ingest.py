@@ -40,12 +40,16 @@ class AudioClock:
     with the event's clock.
     """
 
-    def __init__(self, stream: str, pos: int, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, stream: str, pos: int, clock: Callable[[], float] = time.time,
+                 *, last_wall: float | None = None, reason: str | None = None) -> None:
+        """`last_wall`: when the audio before `pos` was captured, for a clock that
+        takes over a stream (a restarted ingest, a new push connection): the time in
+        between becomes a gap with `reason`."""
         self.stream = stream
         self.pos = pos
         self._clock = clock
-        self._last_wall: float | None = None
-        self.pending_reason: str | None = None
+        self._last_wall = last_wall
+        self.pending_reason: str | None = reason if last_wall is not None else None
 
     def stamp(self, pcm: bytes) -> tuple[AudioGap | None, AudioChunk]:
         now = self._clock()
@@ -148,7 +152,8 @@ class IngestHost:
 
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
-        clock = AudioClock(stream, await self.bus.last_audio_pos(stream))
+        pos, wall = await self.bus.last_audio_end(stream)
+        clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart")
         attempt = 0
         while True:
             source = self._factory(opts, self._pool)

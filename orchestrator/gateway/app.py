@@ -211,9 +211,9 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         clocks: dict[str, AudioClock] = state["clocks"]
         clock = clocks.get(stream_id)
         if clock is None:
-            clock = clocks[stream_id] = AudioClock(
-                stream_id, await bus().last_audio_pos(stream_id)
-            )
+            pos, wall = await bus().last_audio_end(stream_id)
+            clock = clocks[stream_id] = AudioClock(stream_id, pos, last_wall=wall,
+                                                   reason="push-reconnected")
         await bus().set_status(stream_id, source_state="live")
         frames = metrics.PUSH_FRAMES.labels(stream=stream_id)
         bad = metrics.PUSH_BAD_FRAMES.labels(stream=stream_id)
