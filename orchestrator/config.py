@@ -95,6 +95,38 @@ class RayConfig(_Strict):
         return self
 
 
+class SessionConfig(_Strict):
+    """How the session manager keeps every stream captioned (rollover, watchdog, pacing)."""
+
+    budget_s: float | None = Field(
+        default=None, gt=0,
+        description="audio seconds one engine session may take; null: the engine's own limit")
+    margin_s: float = Field(default=30.0, gt=0,
+                            description="start a warm rollover this long before the budget")
+    overlap_s: float = Field(default=5.0, gt=0,
+                             description="audio the new session re-reads before the switch")
+    switch_pause_s: float = Field(default=0.25, gt=0,
+                                  description="shortest pause a rollover may switch in")
+    rut_window_s: float = Field(default=15.0, gt=0, description="rut watchdog window")
+    rut_speech_s: float = Field(default=6.0, gt=0,
+                                description="speech seconds without text that mean a rut")
+    rut_chars_per_speech_s: float = Field(
+        default=1.0, ge=0, description="below this many characters per speech second: a rut")
+    stall_s: float = Field(default=0.2, gt=0,
+                           description="source silence before dithered noise is fed")
+    dither_lsb: int = Field(default=2, ge=1, le=64, description="noise amplitude in LSB")
+    max_fill_s: float = Field(default=10.0, gt=0,
+                              description="longer holes start a fresh session instead")
+
+    @model_validator(mode="after")
+    def _margin(self) -> Self:
+        if self.budget_s is not None and self.margin_s >= self.budget_s:
+            raise _fail(f"margin_s ({self.margin_s}) must be below budget_s ({self.budget_s})")
+        if self.rut_speech_s > self.rut_window_s:
+            raise _fail("rut_speech_s cannot exceed rut_window_s")
+        return self
+
+
 class EngineConfig(_Strict):
     kind: Literal["embedded"] = Field(default="embedded", description="speech engine backend")
     model: Literal["whisper-base", "tiny.en"] = Field(
@@ -104,6 +136,8 @@ class EngineConfig(_Strict):
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
+    session: SessionConfig = Field(default_factory=SessionConfig,
+                                   description="session manager: rollover, rut watchdog, pacing")
 
 
 class IngestConfig(_Strict):

@@ -27,6 +27,8 @@ from workers.asr import AsrHost, AsrHostOptions
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.events import StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
+from workers.sessions.manager import SessionPolicy
+from workers.sessions.watchdog import RutPolicy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,58 @@ def stream_options(s: StreamConfig) -> StreamOptions:
     )
 
 
+def session_policy(cfg: EventConfig) -> SessionPolicy:
+    c = cfg.engine.session
+    return SessionPolicy(
+        budget_s=c.budget_s, margin_s=c.margin_s, overlap_s=c.overlap_s,
+        switch_pause_s=c.switch_pause_s,
+        rut=RutPolicy(window_s=c.rut_window_s, speech_s=c.rut_speech_s,
+                      chars_per_speech_s=c.rut_chars_per_speech_s),
+        stall_s=c.stall_s, dither_lsb=c.dither_lsb, max_fill_s=c.max_fill_s,
+    )
+
+
+class RayMetricsSink:
+    """Session-manager counters as `ray.util.metrics` instruments, so Ray's metrics
+    agent exports them from every node (one scrape covers the cluster). Counter
+    names map to bounded label sets: stream ids from the config, rollover reasons."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics as rm
+
+        self.rollovers = rm.Counter("babelcast_rollovers_total",
+                                    "Engine session rollovers", tag_keys=("stream", "reason"))
+        self.rut_recoveries = rm.Counter("babelcast_rut_recoveries_total",
+                                         "Stuck sessions that captioned again after a rollover",
+                                         tag_keys=("stream",))
+        self.gaps = rm.Counter("babelcast_audio_gaps_total",
+                               "Holes in a stream's audio seen by its session manager",
+                               tag_keys=("stream",))
+        self.gap_fill = rm.Counter("babelcast_audio_gap_fill_seconds_total",
+                                   "Seconds of dithered noise fed for stalled or missing audio",
+                                   tag_keys=("stream",))
+        self.voiced = rm.Gauge("babelcast_voiced_without_text_seconds",
+                               "Speech seconds since the stream's engine last emitted text",
+                               tag_keys=("stream",))
+
+    def stream_update(self, stream: str, counters: dict[str, float],
+                      gauges: dict[str, float]) -> None:
+        for name, value in counters.items():
+            if value <= 0:
+                continue
+            if name.startswith("rollovers_"):
+                self.rollovers.inc(value, tags={"stream": stream,
+                                                "reason": name.removeprefix("rollovers_")})
+            elif name == "rut_recoveries":
+                self.rut_recoveries.inc(value, tags={"stream": stream})
+            elif name == "gaps":
+                self.gaps.inc(value, tags={"stream": stream})
+            elif name == "gap_fill_s":
+                self.gap_fill.inc(value, tags={"stream": stream})
+        if "voiced_without_text_s" in gauges:
+            self.voiced.set(gauges["voiced_without_text_s"], tags={"stream": stream})
+
+
 def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions:
     e = cfg.engine
     return EmbeddedEngineOptions(
@@ -53,7 +107,7 @@ class AsrActor:
     """Ray wrapper of `AsrHost` (async actor: its methods share one event loop)."""
 
     def __init__(self, options: AsrHostOptions, engine: EmbeddedEngineOptions) -> None:
-        self.host = AsrHost(options, EmbeddedWhisperEngine(engine))
+        self.host = AsrHost(options, EmbeddedWhisperEngine(engine), RayMetricsSink())
         self._started = False
 
     async def _ensure(self) -> None:
@@ -148,7 +202,8 @@ class EventRuntime:
             actor_id = f"asr-{i}"
             self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}").remote(
                 AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
-                               max_streams=e.streams_per_actor),
+                               max_streams=e.streams_per_actor,
+                               session_policy=session_policy(self.cfg)),
                 engine_options(self.cfg),
             )
         for i in range(self.cfg.ingest.actors):

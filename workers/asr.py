@@ -16,15 +16,17 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
 
 from workers.bus import RedisBus
 from workers.captions.segmenter import Segmenter
-from workers.engines.base import RecognizeSession, SessionOptions, SpeechEngine
+from workers.engines.base import SessionOptions, SpeechEngine
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions, TranscriptDelta
+from workers.sessions.manager import SessionManager, SessionPolicy
+from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class AsrHostOptions:
     max_streams: int
     restart_backoff_s: float = 1.0
     read_block_ms: int = 200
+    session_policy: SessionPolicy = field(default_factory=SessionPolicy)
 
 
 class _StreamRunner:
@@ -63,7 +66,8 @@ class _StreamRunner:
         self.host = host
         self.opts = opts
         self.walls = WallMap()
-        self.session: RecognizeSession | None = None
+        self.session: SessionManager | None = None
+        self._exported: dict[str, float] = {}
         self.segmenter: Segmenter | None = None
         self.task: asyncio.Task[None] | None = None
         self.failures = 0
@@ -89,10 +93,16 @@ class _StreamRunner:
             self.opts.stream_id, asr_state="listening", asr_actor=self.host.options.actor_id
         )
 
-    def _open(self) -> RecognizeSession:
-        return self.host.engine.open_session(
-            SessionOptions(stream_id=self.opts.stream_id, language=self.opts.language)
+    def _open(self) -> SessionManager:
+        # The manager keeps the stream captioned across engine session ends, ruts and
+        # errors; the runner only sees one endless session.
+        manager = SessionManager(
+            self.host.engine,
+            SessionOptions(stream_id=self.opts.stream_id, language=self.opts.language),
+            self.host.options.session_policy,
         )
+        manager.start()
+        return manager
 
     async def push(self, item: AudioChunk | AudioGap) -> None:
         if isinstance(item, AudioChunk):
@@ -129,11 +139,12 @@ class _StreamRunner:
                 log.warning("stream %s: session failed (%s); opening a new one", stream,
                             type(exc).__name__)
                 with contextlib.suppress(Exception):
+                    # Close what was on screen (the new session starts from fresh audio),
+                    # then say so: publishing sets the state to "captioning".
+                    await self._publish(TranscriptDelta(end_of_utterance=True))
                     await self.bus.incr_status(stream, "session_errors")
                     await self.bus.set_status(stream, asr_state="restarting",
                                               asr_error=type(exc).__name__)
-                    # Close what was on screen: the new session starts from fresh audio.
-                    await self._publish(TranscriptDelta(end_of_utterance=True))
                 if self.session is not None:
                     await self.session.aclose()
                 self.session = None
@@ -143,6 +154,22 @@ class _StreamRunner:
                 except Exception as open_exc:
                     log.warning("stream %s: cannot open a session: %s", stream, open_exc)
                     continue
+
+    async def export(self, sink: MetricsSink | None) -> None:
+        """Session-manager counters and gauges → status fields (and metrics)."""
+        if self.session is None:
+            return
+        counters = dict(self.session.counters)
+        gauges = dict(self.session.gauges)
+        delta = {k: v - self._exported.get(k, 0.0) for k, v in counters.items()
+                 if v != self._exported.get(k, 0.0)}
+        self._exported = counters
+        fields: dict[str, str | float | int] = {k: round(v, 3) for k, v in counters.items()}
+        fields.update(gauges)
+        if fields:
+            await self.bus.set_status(self.opts.stream_id, **fields)
+        if sink is not None:
+            sink.stream_update(self.opts.stream_id, delta, gauges)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -154,9 +181,11 @@ class _StreamRunner:
 
 
 class AsrHost:
-    def __init__(self, options: AsrHostOptions, engine: SpeechEngine) -> None:
+    def __init__(self, options: AsrHostOptions, engine: SpeechEngine,
+                 metrics: MetricsSink | None = None) -> None:
         self.options = options
         self.engine = engine
+        self.metrics = metrics
         self._redis: Redis | None = None
         self._bus: RedisBus | None = None
         self._runners: dict[str, _StreamRunner] = {}
@@ -236,9 +265,15 @@ class AsrHost:
                     except Exception as exc:
                         log.warning("stream %s: push failed: %s", stream, type(exc).__name__)
 
-    async def _report_loop(self, every_s: float = 2.0) -> None:
-        """Engine counters to `actor:{id}` for status views and benchmarks."""
+    async def _report_loop(self, every_s: float = 1.0) -> None:
+        """Engine counters to `actor:{id}`, session counters to each stream's status."""
         while True:
+            for runner in list(self._runners.values()):
+                try:
+                    await runner.export(self.metrics)
+                except Exception as exc:
+                    log.warning("stream %s: status export failed: %s", runner.opts.stream_id,
+                                type(exc).__name__)
             with contextlib.suppress(Exception):
                 await self.bus.set_actor_status(
                     self.options.actor_id,

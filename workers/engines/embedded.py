@@ -41,6 +41,7 @@ from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
 MIN_ENCODE_FRAMES = 1000  # 10 s of mel frames; shorter windows cost accuracy
+VAD_INLINE_SAMPLES = SAMPLE_RATE // 2
 MAX_TOKENS_PER_S = 8.0  # fast speech is ~4-5 tokens/s (timestamps included)
 
 
@@ -167,6 +168,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         self.engine = engine
         self.opts = engine.options
         self._vad = VoiceActivity()
+        self._vad_pending: list[np.ndarray] = []
         self._agree = LocalAgreement()
         self._buf = np.zeros(0, dtype=np.float32)
         self._buf_pos = 0  # stream sample position of _buf[0]
@@ -183,6 +185,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         return (self._buf_pos + self._buf.size) / SAMPLE_RATE
 
     def _reset_at(self, pos: int) -> None:
+        self._vad_pending = []
         self._buf = np.zeros(0, dtype=np.float32)
         self._buf_pos = pos
         self._vad.reset()
@@ -198,7 +201,21 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._buf = np.concatenate([self._buf, audio])
         self._new_since_decode += audio.size
         self._expected = chunk.pos + audio.size
-        for speech in self._vad.feed(audio):
+        self._vad_pending.append(audio)
+
+    async def _run_vad(self) -> None:
+        """Voice activity over the audio appended since the last call. Silero costs
+        ~2 ms per 32 ms frame here, so a catch-up batch (a rollover feeds seconds at
+        once) runs in a thread instead of stalling every stream's event loop."""
+        if not self._vad_pending:
+            return
+        audio = np.concatenate(self._vad_pending)
+        self._vad_pending = []
+        if audio.size > VAD_INLINE_SAMPLES:
+            flags = await asyncio.to_thread(self._vad.feed, audio)
+        else:
+            flags = self._vad.feed(audio)
+        for speech in flags:
             if speech:
                 self._had_speech = True
                 self._silence_run = 0
@@ -243,6 +260,7 @@ class EmbeddedWhisperSession(RecognizeSession):
                 await self._finish_utterance()
 
     async def _finish_utterance(self) -> None:
+        await self._run_vad()
         if self._had_speech and self._buf.size:
             words = await self._decode(self.opts.final_beam_size)
             committed = self._agree.commit_all(words)
@@ -288,6 +306,7 @@ class EmbeddedWhisperSession(RecognizeSession):
             if ended:
                 await self._finish_utterance()
                 return
+            await self._run_vad()
             if self._had_speech and self._silence_run >= pause:
                 await self._finish_utterance()
             elif self._had_speech and self._new_since_decode >= step:

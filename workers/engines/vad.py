@@ -31,6 +31,9 @@ class VoiceActivity:
         self._rest = buf[n * FRAME_SAMPLES :].copy()
         return flags
 
+    def feed_pcm16(self, pcm: bytes) -> list[bool]:
+        return self.feed(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0)
+
     def reset(self) -> None:
         self._vad.reset()
         self._rest = np.zeros(0, dtype=np.float32)

@@ -1,0 +1,293 @@
+"""The ASR host on real parts: the embedded Whisper engine (tiny.en) and a real redis-server.
+
+The tests write audio into `audio:{stream}` themselves, at real-time pace, the
+way the ingest host would, and read what the host publishes back from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import jiwer
+import pytest
+from redis.asyncio import Redis
+
+from orchestrator.redis_server import LocalRedisServer
+from tests.speech import AUDIO, decode_pcm16, normalize
+from workers.asr import AsrHost, AsrHostOptions
+from workers.bus import RedisBus
+from workers.engines.base import (
+    END,
+    EngineCapabilities,
+    RecognizeSession,
+    SessionInput,
+    SessionOptions,
+    SpeechEngine,
+)
+from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
+from workers.events import (
+    SAMPLE_RATE,
+    AudioChunk,
+    CaptionSegment,
+    StreamOptions,
+    TranscriptDelta,
+    Word,
+)
+
+pytestmark = pytest.mark.integration
+
+CHUNK_BYTES = SAMPLE_RATE // 10 * 2  # 100 ms of PCM16, what ingest writes
+# Beyond room-b's own trailing second: enough silence for the engine's pause
+# detection to close the last utterance.
+TRAILING_SILENCE = bytes(SAMPLE_RATE * 2)
+# Generous on a 2-core machine: two streams share one decode thread.
+CAPTIONS_TIMEOUT_S = 30.0
+CRASH_AFTER_CHUNKS = 10
+SCRIPTED_PARTIAL = TranscriptDelta(
+    committed=(Word(" Scripted", 0.2, 0.6),), tentative=(Word(" partial", 0.6, 0.9),)
+)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def room_b() -> bytes:
+    return decode_pcm16(AUDIO / "room-b.flac")
+
+
+@pytest.fixture
+async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
+    """The session-wide server, emptied for this test."""
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.flushdb()
+    finally:
+        await client.aclose()
+    yield redis_server.url
+
+
+@pytest.fixture
+async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
+    client = Redis.from_url(redis_url)
+    yield RedisBus(client)
+    await client.aclose()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout_s: float, what: str, every_s: float = 0.1
+) -> None:
+    """Poll Redis state (which has no change event to await) until `check` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(every_s)
+
+
+async def feed(bus: RedisBus, stream: str, pcm: bytes, *, pos: int = 0) -> int:
+    """Write `pcm` to `audio:{stream}` in 100 ms chunks at real-time pace; returns the end pos."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for i, off in enumerate(range(0, len(pcm), CHUNK_BYTES)):
+        # A chunk is written when its last sample has been "captured".
+        delay = started + (i + 1) * 0.1 - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        piece = pcm[off : off + CHUNK_BYTES]
+        await bus.add_audio(AudioChunk(stream=stream, pos=pos, pcm=piece, wall=time.time()))
+        pos += len(piece) // 2
+    return pos
+
+
+def stream_options(stream_id: str) -> StreamOptions:
+    return StreamOptions(stream_id=stream_id, name=stream_id, source="push", language="en")
+
+
+def host_options(redis_url: str, restart_backoff_s: float = 0.2) -> AsrHostOptions:
+    return AsrHostOptions(
+        actor_id="asr-t", redis_url=redis_url, max_streams=2,
+        restart_backoff_s=restart_backoff_s, read_block_ms=100,
+    )
+
+
+def real_engine() -> EmbeddedWhisperEngine:
+    return EmbeddedWhisperEngine(EmbeddedEngineOptions(model="tiny.en", cpu_threads=2))
+
+
+def finals_text(captions: list[CaptionSegment]) -> str:
+    return normalize(" ".join(c.text for c in captions if c.is_final))
+
+
+# --- fault injection ------------------------------------------------------------------------
+
+
+class _CrashAfterChunks(RecognizeSession):
+    """Takes audio like a real session; after `after` chunks it emits one scripted
+    partial (so a caption is open on screen) and fails."""
+
+    def __init__(self, options: SessionOptions, after: int) -> None:
+        super().__init__(options)
+        self.after = after
+        self.received = 0
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        while True:
+            item = await inputs.get()
+            if item is END:
+                return
+            if isinstance(item, AudioChunk):
+                self.received += 1
+                if self.received >= self.after:
+                    await self._emit(SCRIPTED_PARTIAL)
+                    raise RuntimeError("injected session fault")
+
+
+class CrashingSessionEngine(SpeechEngine):
+    """Fault injection for tests: the real engine, except that the first
+    `crash_sessions` sessions opened for `crash_stream` fail after `after_chunks`
+    chunks of audio. Counts `open_session` calls per stream."""
+
+    def __init__(
+        self, inner: SpeechEngine, crash_stream: str, *, after_chunks: int, crash_sessions: int = 1
+    ) -> None:
+        self.inner = inner
+        self.crash_stream = crash_stream
+        self.after_chunks = after_chunks
+        self.crash_sessions = crash_sessions
+        self.opened: Counter[str] = Counter()
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        self.opened[options.stream_id] += 1
+        if (
+            options.stream_id == self.crash_stream
+            and self.opened[options.stream_id] <= self.crash_sessions
+        ):
+            session = _CrashAfterChunks(options, self.after_chunks)
+            session.start()
+            return session
+        return self.inner.open_session(options)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def check_health(self) -> bool:
+        return await self.inner.check_health()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+async def test_one_stream_whose_session_crashes_does_not_stop_another(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    engine = CrashingSessionEngine(
+        real_engine(), "crashy", after_chunks=CRASH_AFTER_CHUNKS, crash_sessions=1
+    )
+    host = AsrHost(host_options(redis_url), engine)
+    audio = room_b + TRAILING_SILENCE
+    feeding: asyncio.Future[tuple[int, int]] | None = None
+    try:
+        await asyncio.wait_for(host.start(), 60)
+        await host.add_stream(stream_options("healthy"))
+        await host.add_stream(stream_options("crashy"))
+        feeding = feeding_both = asyncio.gather(
+            feed(bus, "healthy", audio), feed(bus, "crashy", audio)
+        )
+
+        async def crashed() -> bool:
+            return "rollovers_engine_error" in await bus.get_status("crashy")
+
+        # The session manager replaces the failed session and reports it in the status.
+        await eventually(crashed, 10, "the crashing stream's status to count a replacement")
+        status = await bus.get_status("crashy")
+        assert float(status["rollovers_engine_error"]) >= 1
+
+        await asyncio.wait_for(feeding_both, len(audio) / 2 / SAMPLE_RATE + 10)
+
+        async def healthy_done() -> bool:
+            # room-b's last word ends at ~9.7 s.
+            captions = await bus.captions_after("healthy", "en", 0)
+            return bool(captions) and captions[-1].is_final and captions[-1].audio_end_s > 9.0
+
+        await eventually(healthy_done, CAPTIONS_TIMEOUT_S, "the healthy stream's last final")
+        healthy = await bus.captions_after("healthy", "en", 0)
+        reference = normalize((AUDIO / "room-b.txt").read_text())
+        wer = jiwer.wer(reference, finals_text(healthy))
+        assert wer <= 0.2, f"WER {wer:.3f}"
+
+        health = await host.health()
+        # Absorbed by the session manager: the stream runner itself never failed.
+        assert health["streams"]["crashy"]["failures"] == 0
+        assert health["streams"]["healthy"]["failures"] == 0
+        assert engine.opened["crashy"] >= 2, "no new session after the crash"
+        assert engine.opened["healthy"] == 1
+        crashy = await bus.captions_after("crashy", "en", 0)
+        # What the failed session had on screen was closed before anything new came.
+        scripted = [c for c in crashy if c.segment_id == crashy[0].segment_id]
+        assert [c.text for c in scripted] == ["Scripted partial", "Scripted"]
+        assert [c.is_final for c in scripted] == [False, True]
+        assert crashy[: len(scripted)] == scripted
+        # The replacement session is a real one: the stream captions again.
+        assert any(c.text for c in crashy[len(scripted) :])
+        assert (await bus.get_status("crashy"))["asr_state"] == "captioning"
+        assert "rollovers_engine_error" not in await bus.get_status("healthy")
+    finally:
+        if feeding is not None and not feeding.done():
+            feeding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeding
+        await asyncio.wait_for(host.stop(), 30)
+
+
+async def test_seq_and_segment_ids_continue_after_host_restart(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    # room-b's first utterance ends at ~5.9 s and the second starts at ~7.0 s.
+    split = 7 * SAMPLE_RATE * 2
+    first, second = room_b[:split], room_b[split:] + TRAILING_SILENCE
+
+    async def has_final() -> bool:
+        return any(c.is_final for c in await bus.captions_after("talk", "en", 0))
+
+    host = AsrHost(host_options(redis_url), real_engine())
+    try:
+        await asyncio.wait_for(host.start(), 60)
+        await host.add_stream(stream_options("talk"))
+        pos = await asyncio.wait_for(feed(bus, "talk", first), 20)
+        await eventually(has_final, CAPTIONS_TIMEOUT_S, "a final from the first host")
+    finally:
+        await asyncio.wait_for(host.stop(), 30)
+    before = await bus.captions_after("talk", "en", 0)
+    last_seq = before[-1].seq
+    last_segment = max(c.segment_id for c in before)
+
+    host = AsrHost(host_options(redis_url), real_engine())
+    try:
+        await asyncio.wait_for(host.start(), 60)
+        await host.add_stream(stream_options("talk"))
+        await asyncio.wait_for(feed(bus, "talk", second, pos=pos), 20)
+
+        async def new_final() -> bool:
+            return any(c.is_final for c in await bus.captions_after("talk", "en", last_seq))
+
+        await eventually(new_final, CAPTIONS_TIMEOUT_S, "a final from the second host")
+    finally:
+        await asyncio.wait_for(host.stop(), 30)
+    after = await bus.captions_after("talk", "en", last_seq)
+    assert [c.seq for c in after] == list(range(last_seq + 1, last_seq + 1 + len(after)))
+    assert all(c.segment_id > last_segment for c in after)

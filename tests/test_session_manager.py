@@ -1,0 +1,237 @@
+"""The session manager on real speech through the real embedded engine (tiny.en).
+
+All scenarios play at wall-clock pace, at the same time, on one engine (its
+decode thread is shared, as in an ASR actor), so the module takes ~3 minutes:
+- a ~3-minute talk twice: with a 20 s session budget (warm rollovers) and without;
+- the talk through an engine that goes mute after 30 s of a session's audio;
+- 60 s of room tone (no speech) through an engine that is mute from the start;
+- the talk through an engine whose first session raises after 8 s;
+- a source that stalls for a second in the middle of speech.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jiwer
+import numpy as np
+import pytest
+
+from bench.rollover import seam_doubles, talk
+from tests.speech import normalize
+from workers.captions.segmenter import Segmenter
+from workers.engines.base import (
+    EngineCapabilities,
+    RecognizeSession,
+    SessionInput,
+    SessionOptions,
+    SpeechEngine,
+)
+from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
+from workers.engines.faults import MuteAfterEngine, RaisingEngine
+from workers.events import SAMPLE_RATE, AudioChunk, Word
+from workers.sessions.manager import SessionManager, SessionPolicy
+
+pytestmark = pytest.mark.integration
+
+CHUNK = SAMPLE_RATE // 10
+ROLLOVER = SessionPolicy(budget_s=20.0, margin_s=6.0, overlap_s=3.0)
+
+
+@dataclass
+class Played:
+    manager: SessionManager
+    words: list[tuple[float, Word]] = field(default_factory=list)
+    finals: list[str] = field(default_factory=list)
+    text_walls: list[float] = field(default_factory=list)
+    t0: float = 0.0
+
+
+class RecordingEngine(SpeechEngine):
+    """Test tool: the real engine, plus a copy of every chunk its sessions get."""
+
+    def __init__(self, inner: SpeechEngine) -> None:
+        self.inner = inner
+        self.chunks: list[AudioChunk] = []
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        recorder = self
+
+        class _Recording(RecognizeSession):
+            async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+                inner = recorder.inner.open_session(options)
+
+                async def forward() -> None:
+                    async for delta in inner:
+                        await self._emit(delta)
+
+                task = asyncio.create_task(forward())
+                try:
+                    while True:
+                        item = await inputs.get()
+                        if isinstance(item, AudioChunk):
+                            recorder.chunks.append(item)
+                            await inner.push(item)
+                        else:
+                            await inner.end_input()
+                            await task
+                            return
+                finally:
+                    task.cancel()
+                    await inner.aclose()
+
+        session = _Recording(options)
+        session.start()
+        return session
+
+
+async def play(engine: SpeechEngine, policy: SessionPolicy, pcm: bytes, *,
+               stall_at_s: float | None = None, stall_s: float = 0.0) -> Played:
+    manager = SessionManager(engine, SessionOptions("t", "en"), policy)
+    manager.start()
+    run = Played(manager, t0=time.time() + 0.2)
+
+    async def feed() -> None:
+        for i in range(0, len(pcm), CHUNK * 2):
+            t = i // 2 / SAMPLE_RATE
+            if stall_at_s is not None and stall_at_s <= t < stall_at_s + stall_s:
+                continue  # the source stalls: this audio never arrives
+            target = run.t0 + (i // 2 + CHUNK) / SAMPLE_RATE
+            await asyncio.sleep(max(0.0, target - time.time()))
+            await manager.push(AudioChunk("t", i // 2, pcm[i : i + CHUNK * 2], time.time()))
+        await manager.end_input()
+
+    async def consume() -> None:
+        seg = Segmenter("t", "en")
+        async for delta in manager:
+            now = time.time()
+            run.words.extend((now, w) for w in delta.committed)
+            if delta.committed or delta.tentative:
+                run.text_walls.append(now)
+            run.finals.extend(c.text for c in seg.feed(delta) if c.is_final)
+
+    await asyncio.wait_for(asyncio.gather(feed(), consume()), len(pcm) / 2 / SAMPLE_RATE + 60)
+    return run
+
+
+def room_tone(seconds: float) -> bytes:
+    """Quiet room noise (about -50 dBFS), not digital silence."""
+    rng = np.random.default_rng(7)
+    return (rng.normal(0, 100, int(seconds * SAMPLE_RATE))).astype("<i2").tobytes()
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    async def run_all() -> dict[str, Any]:
+        engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model="tiny.en", cpu_threads=2))
+        await engine.start()
+        pcm, text = talk(3.0)
+        mute = MuteAfterEngine(engine, after_s=30.0, sessions=1)
+        silent = MuteAfterEngine(engine, after_s=0.0)
+        raising = RaisingEngine(engine, after_s=8.0, sessions=1)
+        recording = RecordingEngine(engine)
+        out = await asyncio.gather(
+            play(engine, ROLLOVER, pcm),
+            play(engine, SessionPolicy(), pcm),
+            play(mute, SessionPolicy(), pcm[: 70 * SAMPLE_RATE * 2]),
+            play(silent, SessionPolicy(), room_tone(60)),
+            play(raising, SessionPolicy(), pcm[: 40 * SAMPLE_RATE * 2]),
+            play(recording, SessionPolicy(), pcm[: 20 * SAMPLE_RATE * 2],
+                 stall_at_s=8.0, stall_s=1.0),
+        )
+        await engine.aclose()
+        keys = ("with", "without", "mute", "silence", "raising", "stall")
+        return {"text": text, "raising_engine": raising, "recording": recording,
+                **dict(zip(keys, out, strict=True))}
+
+    return asyncio.run(run_all())
+
+
+def wer(ref: str, played: Played) -> float:
+    return float(jiwer.wer(normalize(ref), normalize(" ".join(played.finals))))
+
+
+def test_captions_continue_across_every_rollover(results: dict[str, Any]) -> None:
+    played: Played = results["with"]
+    log = played.manager.rollover_log
+    assert len(log) >= 5, log
+    assert all(reason == "budget" for reason, _ in log)
+    ends = sorted(w.end_s for _, w in played.words)
+    for _, t in log:
+        if t > ends[-1] - 6:
+            continue  # the talk ends right after this switch
+        # Words keep coming within a few seconds after every switch point.
+        assert any(t < e <= t + 6 for e in ends), f"no words after the switch at {t:.1f} s"
+
+
+def test_rollovers_cost_at_most_one_point_of_wer(results: dict[str, Any]) -> None:
+    with_r = wer(results["text"], results["with"])
+    without = wer(results["text"], results["without"])
+    assert with_r - without <= 0.01, f"with {with_r:.3f} vs without {without:.3f}"
+
+
+def test_no_word_appears_twice_at_a_rollover_seam(results: dict[str, Any]) -> None:
+    from bench.rollover import Run
+
+    played: Played = results["with"]
+    assert seam_doubles(Run(played.manager, played.words)) == 0
+
+
+def test_mute_engine_recovers_within_ten_seconds_of_speech(results: dict[str, Any]) -> None:
+    played: Played = results["mute"]
+    counters = played.manager.counters
+    assert counters["rollovers_rut"] >= 1
+    assert counters["rut_recoveries"] >= 1
+    # The talk is continuous speech around 30 s, so the mute starts during speech.
+    onset = played.t0 + 30.0
+    recovered = next(w for w in played.text_walls if w > onset + 0.5)
+    assert recovered - onset <= 10.0
+    later = [w for wall, w in played.words if wall > recovered]
+    assert len(later) >= 40, "captions did not go on after the recovery"
+
+
+def test_a_minute_of_silence_causes_no_rollover(results: dict[str, Any]) -> None:
+    played: Played = results["silence"]
+    assert played.manager.rollover_log == []
+    assert played.manager.counters["ruts_detected"] == 0
+    assert played.manager.gauges["voiced_without_text_s"] < 1.0
+
+
+def test_engine_that_raises_is_replaced_and_the_stream_continues(
+    results: dict[str, Any],
+) -> None:
+    played: Played = results["raising"]
+    assert [r for r, _ in played.manager.rollover_log] == ["engine_error"]
+    assert results["raising_engine"].sessions_opened == 2
+    switch = played.manager.rollover_log[0][1]
+    later = [w for _, w in played.words if w.start_s > switch + 2]
+    assert len(later) >= 20, "the replacement session did not caption the rest"
+
+
+def test_stalled_source_is_filled_with_faint_noise_and_marked(results: dict[str, Any]) -> None:
+    played: Played = results["stall"]
+    counters = played.manager.counters
+    assert counters["stalls"] >= 1
+    assert 0.8 <= counters["gap_fill_s"] <= 1.2
+    chunks: list[AudioChunk] = results["recording"].chunks
+    # One contiguous clock for the engine: no holes, no overlaps.
+    for a, b in itertools.pairwise(chunks):
+        assert b.pos == a.pos + a.samples
+    filled = [c for c in chunks if 8.0 <= c.start_s < 8.9]
+    samples = np.concatenate([np.frombuffer(c.pcm, dtype="<i2") for c in filled])
+    assert np.abs(samples).max() <= 2, "the hole is not faint noise"
+    assert samples.any(), "the hole was filled with exact zeros"

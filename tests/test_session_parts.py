@@ -1,0 +1,88 @@
+"""The session manager's parts on their own: rut watchdog, dither noise, audio ring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workers.events import SAMPLE_RATE, AudioChunk
+from workers.sessions.pacing import DitherNoise
+from workers.sessions.ring import AudioRing
+from workers.sessions.watchdog import RutPolicy, RutWatchdog
+
+pytestmark = pytest.mark.unit
+
+FRAME = 512
+
+
+def speak(w: RutWatchdog, start_s: float, seconds: float) -> float:
+    """Speech frames from start_s for `seconds`; returns the end time."""
+    pos = int(start_s * SAMPLE_RATE)
+    end = int((start_s + seconds) * SAMPLE_RATE)
+    while pos < end:
+        w.speech(pos, FRAME)
+        pos += FRAME
+    return end / SAMPLE_RATE
+
+
+def test_sustained_speech_without_text_is_a_rut() -> None:
+    w = RutWatchdog(RutPolicy(window_s=15, speech_s=6, chars_per_speech_s=1))
+    speak(w, 0, 5.9)
+    assert not w.in_rut()
+    speak(w, 5.9, 0.3)
+    assert w.in_rut()
+    assert w.voiced_without_text_s >= 6
+
+
+def test_healthy_text_keeps_the_watchdog_quiet() -> None:
+    w = RutWatchdog(RutPolicy())
+    for second in range(30):
+        speak(w, second, 1.0)
+        w.text(int((second + 1) * SAMPLE_RATE), 14)  # ~14 characters per second of talk
+        assert not w.in_rut()
+
+
+def test_silence_never_triggers_even_without_any_text() -> None:
+    w = RutWatchdog(RutPolicy())
+    # No speech frames at all for a minute: nothing to judge.
+    assert not w.in_rut()
+    assert w.voiced_without_text_s == 0
+
+
+def test_text_from_before_the_rut_does_not_hide_it_for_a_whole_window() -> None:
+    w = RutWatchdog(RutPolicy(window_s=15, speech_s=6))
+    for second in range(10):
+        speak(w, second, 1.0)
+        w.text(int((second + 1) * SAMPLE_RATE), 20)
+    speak(w, 10, 6.2)  # the engine goes quiet; plenty of text is still in the window
+    assert w.in_rut()
+
+
+def test_a_few_characters_do_not_count_as_recovery() -> None:
+    w = RutWatchdog(RutPolicy(window_s=15, speech_s=6, chars_per_speech_s=1))
+    speak(w, 0, 3)
+    w.text(3 * SAMPLE_RATE, 2)  # a stray "a." over 8 s of speech
+    speak(w, 3, 5)
+    assert w.in_rut()
+
+
+def test_dither_is_faint_and_never_digital_silence() -> None:
+    noise = DitherNoise(lsb=2, seed=1)
+    for n in (1, 7, 1600):
+        samples = np.frombuffer(noise.pcm(n), dtype="<i2")
+        assert samples.size == n
+        assert samples.any(), "exact zeros make realtime models hallucinate"
+        assert np.abs(samples).max() <= 2
+
+
+def test_ring_returns_recent_audio_cut_at_the_requested_position() -> None:
+    ring = AudioRing(keep_s=1.0)
+    chunk = SAMPLE_RATE // 10
+    for i in range(30):  # 3 s of 100 ms chunks; the ring keeps ~1 s
+        ring.add(AudioChunk("s", i * chunk, bytes([i]) * chunk * 2, float(i)))
+    assert ring.start_pos is not None and ring.start_pos >= 19 * chunk
+    got = ring.since(25 * chunk + 100)
+    assert got[0].pos == 25 * chunk + 100
+    assert got[0].samples == chunk - 100
+    assert [c.pos for c in got[1:]] == [i * chunk for i in range(26, 30)]
+    assert sum(c.samples for c in got) == 5 * chunk - 100

@@ -1,0 +1,116 @@
+"""FAULT INJECTION — test and benchmark tooling only, never configured by an event file.
+
+Wrappers around a real engine whose sessions misbehave on cue, so the session
+manager's recovery can be exercised with real speech through a real model:
+- `MuteAfterEngine`: each session works normally for its first `after_s` seconds of
+  audio, then goes mute (emits nothing, or only empty "blank" deltas) while it keeps
+  consuming audio — what a realtime model in a "blank rut" looks like from outside.
+- `RaisingEngine`: each session raises after `after_s` seconds of audio.
+A fresh session starts healthy again, as a real engine's new session would; with
+`sessions=N` only the first N sessions misbehave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Literal
+
+from workers.engines.base import (
+    END,
+    EngineCapabilities,
+    RecognizeSession,
+    SessionInput,
+    SessionOptions,
+    SpeechEngine,
+)
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta
+
+
+class InjectedFault(RuntimeError):
+    """Raised by RaisingEngine's sessions on purpose."""
+
+
+class _FaultySession(RecognizeSession):
+    def __init__(self, inner: RecognizeSession, options: SessionOptions, after_s: float,
+                 kind: Literal["mute", "blank", "raise"]) -> None:
+        super().__init__(options)
+        self.inner = inner
+        self.after = int(after_s * SAMPLE_RATE)
+        self.kind = kind
+        self.fed = 0
+
+    @property
+    def faulty(self) -> bool:
+        return self.fed >= self.after
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        forward = asyncio.create_task(self._forward())
+        try:
+            while True:
+                item = await inputs.get()
+                if item is END:
+                    await self.inner.end_input()
+                    await forward
+                    return
+                assert isinstance(item, (AudioChunk, AudioGap))
+                if isinstance(item, AudioChunk):
+                    self.fed += item.samples
+                    if self.kind == "raise" and self.faulty:
+                        raise InjectedFault(f"injected failure after {self.after} samples")
+                await self.inner.push(item)
+        finally:
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await forward
+            await self.inner.aclose()
+
+    async def _forward(self) -> None:
+        async for delta in self.inner:
+            if not self.faulty:
+                await self._emit(delta)
+            elif self.kind == "blank":
+                await self._emit(TranscriptDelta(language=delta.language))
+
+
+class _FaultyEngine(SpeechEngine):
+    kind: Literal["mute", "blank", "raise"] = "mute"
+
+    def __init__(self, inner: SpeechEngine, after_s: float, sessions: int | None = None) -> None:
+        self.inner = inner
+        self.after_s = after_s
+        self.faulty_sessions = sessions
+        self.sessions_opened = 0
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        self.sessions_opened += 1
+        if self.faulty_sessions is not None and self.sessions_opened > self.faulty_sessions:
+            return self.inner.open_session(options)  # the fault has passed
+        session = _FaultySession(self.inner.open_session(options), options, self.after_s,
+                                 self.kind)
+        session.start()
+        return session
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+
+class MuteAfterEngine(_FaultyEngine):
+    def __init__(self, inner: SpeechEngine, after_s: float, *, blanks: bool = False,
+                 sessions: int | None = None) -> None:
+        super().__init__(inner, after_s, sessions)
+        self.kind = "blank" if blanks else "mute"
+
+
+class RaisingEngine(_FaultyEngine):
+    kind = "raise"

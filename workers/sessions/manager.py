@@ -1,0 +1,486 @@
+"""The session manager: keeps one stream captioned forever, whatever its engine does.
+
+It sits between a stream's audio and its engine sessions and looks, from the
+outside, like a single session that never ends:
+
+- **Pacing.** Audio reaches the engine as one contiguous clock. When the source
+  stalls for more than `stall_s`, or a chunk arrives after a hole, the hole is
+  filled with faint dithered noise (never zeros) and counted as a gap; a hole
+  longer than `max_fill_s` starts a fresh session at the new position instead.
+- **Warm rollover** before the session budget runs out: a new session is opened
+  and fed the last `overlap_s` of audio from a ring buffer (it catches up faster
+  than real time), then both run until voice activity shows a pause of at least
+  `switch_pause_s`. The switch point T is in that pause: the old session's words
+  before T are kept, it is told to end (so it flushes them), and the new
+  session's words from T on follow. Words are told apart by their audio times,
+  and an n-gram check at the seam drops a word seen twice.
+- **Rut watchdog**: sustained speech with almost no text rolls over at once,
+  feeding the new session the watchdog window.
+- **Engine errors / ended sessions**: a session that raises, or that the engine
+  ends on its own (stock vLLM at max_model_len), is replaced the same way.
+
+Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
+export (status fields and metrics); the manager itself does no I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from workers.engines.agreement import norm
+from workers.engines.base import (
+    END,
+    RecognizeSession,
+    SessionInput,
+    SessionOptions,
+    SpeechEngine,
+)
+from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
+from workers.sessions.pacing import DitherNoise
+from workers.sessions.ring import AudioRing
+from workers.sessions.watchdog import RutPolicy, RutWatchdog
+
+log = logging.getLogger(__name__)
+
+ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPolicy:
+    budget_s: float | None = None
+    """Audio seconds one engine session may take; None: the engine's own capability."""
+    margin_s: float = 30.0
+    """Start a warm rollover this long before the budget runs out."""
+    overlap_s: float = 5.0
+    """Audio the new session re-reads before the switch."""
+    switch_pause_s: float = 0.25
+    """Minimum pause (voice activity) that a switch point may sit in."""
+    rut: RutPolicy = field(default_factory=RutPolicy)
+    stall_s: float = 0.2
+    dither_lsb: int = 2
+    max_fill_s: float = 10.0
+    restart_backoff_s: float = 1.0
+    tick_s: float = 0.05
+
+
+@dataclass(eq=False)
+class _Gen:
+    """One engine session and what of its output is taken."""
+
+    n: int
+    session: RecognizeSession
+    reason: str
+    start_pos: int
+    fed: int = 0
+    accept_from_s: float = 0.0
+    accept_until_s: float | None = None
+    last_end_s: float = 0.0
+    last_words: list[str] = field(default_factory=list)
+    held: list[TranscriptDelta] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    ended: bool = False
+
+
+class SessionManager(RecognizeSession):
+    def __init__(
+        self,
+        engine: SpeechEngine,
+        options: SessionOptions,
+        policy: SessionPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(options)
+        self.engine = engine
+        self.policy = policy or SessionPolicy()
+        caps = engine.capabilities
+        if self.policy.budget_s is not None:
+            self.budget_s: float | None = self.policy.budget_s
+        else:
+            self.budget_s = None if caps.reanchors_natively else caps.max_session_s
+        self._clock = clock
+        p = self.policy
+        self._ring = AudioRing(max(p.overlap_s, p.rut.window_s) + 2.0)
+        self._vad = VoiceActivity()
+        self._watch = RutWatchdog(p.rut)
+        self._noise = DitherNoise(p.dither_lsb)
+        self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
+            asyncio.Queue()
+        )
+        self._cur: _Gen | None = None
+        self._next: _Gen | None = None
+        self._switch_at: float | None = None  # T, stream seconds
+        self._gens = 0
+        self.pos: int | None = None  # next stream sample position to feed
+        self._last_arrival = 0.0
+        self._arrival_pos = 0
+        self._pause_run = 0
+        self._pause_start = 0
+        self._best_pause = (0, 0)  # (length, start) of the longest pause since rollover began
+        self._rut_pending = False
+        self._stalled = False
+        self._retry_at = 0.0
+        self._cut_s = 0.0
+        # The seam between two sessions: the old one's last words, for dedupe.
+        self._seam_gen = -1
+        self._prev_tail: list[str] = []
+        self._prev_end_s = 0.0
+        self.counters: defaultdict[str, float] = defaultdict(float)
+        self.gauges: dict[str, float] = {}
+        self.rollover_log: list[tuple[str, float]] = []  # (reason, switch time in stream s)
+
+    # ---- generations -------------------------------------------------------
+    def _open(self, reason: str, start_pos: int) -> _Gen:
+        self._gens += 1
+        session = self.engine.open_session(self.options)
+        gen = _Gen(self._gens, session, reason, start_pos)
+        gen.task = asyncio.create_task(self._pump(gen), name=f"gen{gen.n}:{self.options.stream_id}")
+        self.counters["sessions_opened"] += 1
+        return gen
+
+    async def _pump(self, gen: _Gen) -> None:
+        try:
+            async for delta in gen.session:
+                await self._out_q.put((gen, delta))
+            await self._out_q.put((gen, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._out_q.put((gen, exc))
+
+    async def _close(self, gen: _Gen | None) -> None:
+        if gen is None:
+            return
+        gen.ended = True
+        if gen.task is not None:
+            gen.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await gen.task
+        await gen.session.aclose()
+
+    async def _feed(self, gen: _Gen, chunk: AudioChunk) -> None:
+        gen.fed += chunk.samples
+        await gen.session.push(chunk)
+
+    # ---- output ------------------------------------------------------------
+    def _filter(self, gen: _Gen, words: tuple[Word, ...]) -> tuple[Word, ...]:
+        lo, hi = gen.accept_from_s, gen.accept_until_s
+        return tuple(w for w in words if w.start_s >= lo - 1e-6 and (hi is None or w.start_s < hi))
+
+    def _seam_dedupe(self, gen: _Gen, words: tuple[Word, ...]) -> tuple[Word, ...]:
+        """Drop leading words that repeat the previous session's last words at the seam."""
+        prev = self._prev_tail
+        if not prev or not words:
+            return words
+        if words[0].start_s - self._prev_end_s > 1.0:
+            return words
+        first = [norm(w.text) for w in words]
+        for n in range(min(len(prev), len(first), 4), 0, -1):
+            if prev[-n:] == first[:n]:
+                self.counters["seam_words_deduped"] += n
+                return words[n:]
+        return words
+
+    async def _emit_from(self, gen: _Gen, delta: TranscriptDelta) -> None:
+        committed = self._filter(gen, delta.committed)
+        tentative = self._filter(gen, delta.tentative)
+        if gen.n == self._seam_gen and committed:
+            committed = self._seam_dedupe(gen, committed)
+            self._seam_gen = -1  # the seam is crossed once real words follow it
+        if committed:
+            gen.last_end_s = max(gen.last_end_s, committed[-1].end_s)
+            gen.last_words = ([*gen.last_words, *(norm(w.text) for w in committed)])[-8:]
+        chars = sum(len(w.text.strip()) for w in committed + tentative)
+        if chars and self.pos is not None:
+            self._watch.text(self.pos, chars)
+            if self._rut_pending:
+                self._rut_pending = False
+                self.counters["rut_recoveries"] += 1
+        if committed or tentative or delta.end_of_utterance:
+            await self._emit(TranscriptDelta(committed, tentative, delta.end_of_utterance,
+                                             delta.language))
+
+    async def _on_output(self, gen: _Gen, item: TranscriptDelta | BaseException | None) -> None:
+        if gen.ended:
+            return
+        if gen is self._next:
+            if isinstance(item, TranscriptDelta):
+                gen.held.append(item)
+            else:
+                # The warming session died before the switch: drop it, retry later.
+                self.counters["rollover_failures"] += 1
+                self._next = None
+                self._switch_at = None
+                await self._close(gen)
+            return
+        if gen is not self._cur:
+            return
+        if isinstance(item, TranscriptDelta):
+            await self._emit_from(gen, item)
+            return
+        if item is None and self._next is not None and self._switch_at is not None:
+            await self._promote()  # the old session flushed up to T and ended
+            return
+        reason = "engine_error" if isinstance(item, BaseException) else "budget"
+        if isinstance(item, BaseException):
+            log.warning("stream %s: session failed (%s); replacing it", self.options.stream_id,
+                        type(item).__name__)
+        await self._replace_now(reason)
+
+    async def _promote(self) -> None:
+        old, new = self._cur, self._next
+        assert old is not None and new is not None and self._switch_at is not None
+        await self._close(old)
+        self._start_seam(old, new)
+        new.accept_from_s = self._switch_at
+        self._cur, self._next = new, None
+        self.counters[f"rollovers_{new.reason}"] += 1
+        self.rollover_log.append((new.reason, self._switch_at))
+        self._switch_at = None
+        self._watch.reset()
+        held, new.held = new.held, []
+        for delta in held:
+            await self._emit_from(new, delta)
+
+    def _start_seam(self, old: _Gen, new: _Gen) -> None:
+        self._prev_tail = list(old.last_words)
+        self._prev_end_s = old.last_end_s
+        self._seam_gen = new.n
+
+    async def _replace_now(self, reason: str, *, feed_s: float | None = None) -> None:
+        """Switch to a new session immediately (rut, error, ended, gap)."""
+        old = self._cur
+        await self._close(self._next)
+        self._next = None
+        self._switch_at = None
+        if old is not None:
+            await self._close(old)
+            # Whatever the old session had tentatively on screen is not confirmed:
+            # close the open caption on its committed words.
+            await self._emit(TranscriptDelta(end_of_utterance=True))
+        cut = old.last_end_s if old is not None else self._cut_s
+        self._cut_s = cut
+        if reason == "engine_error" and old is not None:
+            # A session that fails at once must not become a busy loop.
+            await asyncio.sleep(self.policy.restart_backoff_s)
+        try:
+            new = self._open(reason, self.pos or 0)
+        except Exception as exc:
+            self.counters["session_open_failures"] += 1
+            log.warning("stream %s: cannot open a session: %s", self.options.stream_id,
+                        type(exc).__name__)
+            self._cur = None
+            self._retry_at = self._clock() + self.policy.restart_backoff_s
+            return
+        if old is not None:
+            self._start_seam(old, new)
+        new.accept_from_s = cut
+        self._cur = new
+        self.counters[f"rollovers_{reason}"] += 1
+        self.rollover_log.append((reason, cut))
+        if reason == "rut":
+            self._rut_pending = True
+        self._watch.reset()
+        if self.pos is not None:
+            back = self.policy.overlap_s if feed_s is None else feed_s
+            for chunk in self._ring.since(self.pos - int(back * SAMPLE_RATE)):
+                await self._feed(new, chunk)
+
+    async def _begin_warm_rollover(self) -> None:
+        assert self.pos is not None
+        start = self.pos - int(self.policy.overlap_s * SAMPLE_RATE)
+        try:
+            new = self._open("budget", start)
+        except Exception as exc:
+            self.counters["session_open_failures"] += 1
+            log.warning("stream %s: cannot open the next session: %s", self.options.stream_id,
+                        exc)
+            return
+        self._next = new
+        self._best_pause = (0, 0)
+        for chunk in self._ring.since(start):
+            await self._feed(new, chunk)
+
+    # ---- input -------------------------------------------------------------
+    async def _take_audio(self, chunk: AudioChunk, *, real: bool) -> None:
+        """Feed one contiguous chunk to the live session(s) and the detectors."""
+        assert self.pos is not None
+        self._ring.add(chunk)
+        self.pos = chunk.pos + chunk.samples
+        if real:
+            self._last_arrival = self._clock()
+            self._arrival_pos = self.pos
+        audio = chunk.pcm
+        flags = self._vad.feed_pcm16(audio)
+        frame_pos = chunk.pos
+        for speech in flags:
+            if speech:
+                self._watch.speech(frame_pos, FRAME_SAMPLES)
+                self._pause_run = 0
+            else:
+                if self._pause_run == 0:
+                    self._pause_start = frame_pos
+                self._pause_run += FRAME_SAMPLES
+                if self._next is not None and self._pause_run > self._best_pause[0]:
+                    self._best_pause = (self._pause_run, self._pause_start)
+            frame_pos += FRAME_SAMPLES
+        self.gauges["voiced_without_text_s"] = round(self._watch.voiced_without_text_s, 2)
+        # After T is chosen the old session only flushes; it gets no more audio.
+        cur = self._cur if self._switch_at is None else None
+        for gen in (cur, self._next):
+            if gen is not None:
+                await self._feed(gen, chunk)
+        await self._after_audio()
+
+    async def _after_audio(self) -> None:
+        assert self.pos is not None
+        cur = self._cur
+        if cur is None:
+            if self._clock() >= self._retry_at:
+                await self._replace_now("engine_error")
+            return
+        if self._next is None and self._watch.in_rut():
+            self.counters["ruts_detected"] += 1
+            await self._replace_now("rut", feed_s=self.policy.rut.window_s)
+            return
+        if self.budget_s is None:
+            return
+        age = cur.fed / SAMPLE_RATE
+        if self._next is None and age >= self.budget_s - self.policy.margin_s:
+            await self._begin_warm_rollover()
+        nxt = self._next
+        if nxt is None or self._switch_at is not None:
+            return
+        in_pause = self._pause_run >= int(self.policy.switch_pause_s * SAMPLE_RATE)
+        warmed = self._pause_start >= nxt.start_pos + int(self.policy.overlap_s * SAMPLE_RATE)
+        if in_pause and warmed:
+            t = (self._pause_start + self._pause_run // 2) / SAMPLE_RATE
+        elif age >= self.budget_s:
+            # No pause as long as wanted before the budget ran out: take the longest gap
+            # between words since the rollover began (both sessions have passed it).
+            length, start = self._best_pause
+            if length:
+                t = (start + length // 2) / SAMPLE_RATE
+            else:
+                t = self.pos / SAMPLE_RATE
+            self.counters["forced_switches"] += 1
+        else:
+            return
+        self._switch_at = t
+        cur.accept_until_s = t
+        await cur.session.end_input()  # it flushes its words up to T, then ends
+
+    async def _fill(self, upto: int) -> None:
+        """Dithered noise from self.pos up to `upto`, in ≤100 ms chunks."""
+        assert self.pos is not None
+        filled = 0
+        while self.pos < upto:
+            n = min(upto - self.pos, SAMPLE_RATE // 10)
+            await self._take_audio(
+                self._noise.chunk(self.options.stream_id, self.pos, n, time.time()), real=False
+            )
+            filled += n
+        if filled:
+            self.counters["gap_fill_s"] += filled / SAMPLE_RATE
+
+    async def _on_chunk(self, chunk: AudioChunk) -> None:
+        if self.pos is None:
+            self.pos = chunk.pos
+            self._arrival_pos = chunk.pos
+        if chunk.pos > self.pos:
+            hole = chunk.pos - self.pos
+            self.counters["gaps"] += 1
+            if hole > self.policy.max_fill_s * SAMPLE_RATE:
+                self.pos = chunk.pos
+                self._ring.clear()
+                await self._replace_now("gap")
+            else:
+                await self._fill(chunk.pos)
+        elif chunk.pos < self.pos:
+            # Late audio for time already filled with noise: keep only the new part.
+            late = self.pos - chunk.pos
+            self.counters["late_audio_dropped_s"] += min(late, chunk.samples) / SAMPLE_RATE
+            if late >= chunk.samples:
+                self._last_arrival = self._clock()
+                return
+            chunk = AudioChunk(chunk.stream, self.pos, chunk.pcm[late * 2 :], chunk.wall)
+        await self._take_audio(chunk, real=True)
+
+    async def _on_tick(self) -> None:
+        if self.pos is None:
+            return
+        stalled = self._clock() - self._last_arrival
+        if stalled > self.policy.stall_s:
+            # Keep the engine at wall-clock pace, `stall_s` behind: a chunk that is
+            # merely late by less than that is never overtaken by noise.
+            target = self._arrival_pos + int((stalled - self.policy.stall_s) * SAMPLE_RATE)
+            if target > self.pos:
+                if not self._stalled:
+                    self._stalled = True
+                    self.counters["stalls"] += 1
+                await self._fill(target)
+
+    # ---- main loop ---------------------------------------------------------
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        self._cur = self._open("start", 0)
+        get_in: asyncio.Task[SessionInput] = asyncio.create_task(inputs.get())
+        get_out = asyncio.create_task(self._out_q.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    {get_in, get_out}, timeout=self.policy.tick_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if get_out in done:
+                    gen, item = get_out.result()
+                    get_out = asyncio.create_task(self._out_q.get())
+                    await self._on_output(gen, item)
+                if get_in in done:
+                    item_in = get_in.result()
+                    if item_in is END:
+                        # The pending output getter would take items _finish waits for.
+                        if get_out.done():
+                            gen, item = get_out.result()
+                            await self._on_output(gen, item)
+                        else:
+                            get_out.cancel()
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await get_out
+                        await self._finish()
+                        return
+                    get_in = asyncio.create_task(inputs.get())
+                    if isinstance(item_in, AudioChunk):
+                        self._stalled = False
+                        await self._on_chunk(item_in)
+                    elif isinstance(item_in, AudioGap):
+                        self.counters["source_gaps"] += 1
+                else:
+                    await self._on_tick()
+        finally:
+            for t in (get_in, get_out):
+                t.cancel()
+            await self._close(self._next)
+            await self._close(self._cur)
+
+    async def _finish(self) -> None:
+        """End of input: let the current session flush, forward its last words."""
+        await self._close(self._next)
+        self._next = None
+        cur = self._cur
+        if cur is None:
+            return
+        await cur.session.end_input()
+        while True:
+            gen, item = await self._out_q.get()
+            if gen is not cur:
+                continue
+            if not isinstance(item, TranscriptDelta):
+                return
+            await self._emit_from(cur, item)

@@ -1,0 +1,43 @@
+"""A ring buffer of a stream's most recent audio, for warm rollovers."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from workers.events import SAMPLE_RATE, AudioChunk
+
+
+class AudioRing:
+    """Keeps the last `keep_s` seconds of contiguous audio as chunks."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep = int(keep_s * SAMPLE_RATE)
+        self._chunks: deque[AudioChunk] = deque()
+        self._samples = 0
+
+    def add(self, chunk: AudioChunk) -> None:
+        self._chunks.append(chunk)
+        self._samples += chunk.samples
+        while self._chunks and self._samples - self._chunks[0].samples >= self.keep:
+            self._samples -= self._chunks.popleft().samples
+
+    def since(self, pos: int) -> list[AudioChunk]:
+        """Chunks covering stream positions ≥ pos (the first one cut to start at pos)."""
+        out: list[AudioChunk] = []
+        for c in self._chunks:
+            end = c.pos + c.samples
+            if end <= pos:
+                continue
+            if c.pos < pos:
+                cut = (pos - c.pos) * 2
+                c = AudioChunk(c.stream, pos, c.pcm[cut:], c.wall)
+            out.append(c)
+        return out
+
+    @property
+    def start_pos(self) -> int | None:
+        return self._chunks[0].pos if self._chunks else None
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._samples = 0
