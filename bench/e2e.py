@@ -181,6 +181,13 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
         await asyncio.gather(*clients, return_exceptions=True)
         engine = {k: float(v) for k, v in redis.hgetall("actor:asr-0").items()
                   if k != "updated"}
+        session_counters: dict[str, float] = {}
+        for s in ids:
+            status = redis.hgetall(f"status:{s}")
+            for key in ("stalls", "gap_fill_s", "late_audio_dropped_s", "rollovers_rut",
+                        "rollovers_engine_error", "rollovers_budget"):
+                session_counters[key] = session_counters.get(key, 0.0) + float(
+                    status.get(key, 0))
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -226,6 +233,7 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
         "finals": len(final_lat),
         "partials": len(partial_lat),
         "finals_revised": finals_revised,
+        "session_counters": session_counters,
         "rtf": round(engine.get("decode_busy_s", 0.0) / (audio_s * streams), 3),
         "engine_decode_calls": int(engine.get("decode_calls", 0)),
         "cpu_s_per_audio_s": round(cpu_used / (audio_s * streams), 3),

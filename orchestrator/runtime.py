@@ -103,11 +103,14 @@ def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions:
     )
 
 
-class AsrActor:
-    """Ray wrapper of `AsrHost` (async actor: its methods share one event loop)."""
+class _HostActor:
+    """Ray wrapper of a host (async actor: its methods share one event loop). The
+    host starts on first use, so a restarted actor comes back ready for the
+    supervisor to add its streams again."""
 
-    def __init__(self, options: AsrHostOptions, engine: EmbeddedEngineOptions) -> None:
-        self.host = AsrHost(options, EmbeddedWhisperEngine(engine), RayMetricsSink())
+    host: AsrHost | IngestHost
+
+    def __init__(self) -> None:
         self._started = False
 
     async def _ensure(self) -> None:
@@ -127,37 +130,23 @@ class AsrActor:
 
     async def health(self) -> dict[str, Any]:
         await self._ensure()
-        return await self.host.health()
+        return dict(await self.host.health())
 
     async def stop(self) -> None:
         if self._started:
             await self.host.stop()
 
 
-class IngestActor:
+class AsrActor(_HostActor):
+    def __init__(self, options: AsrHostOptions, engine: EmbeddedEngineOptions) -> None:
+        super().__init__()
+        self.host = AsrHost(options, EmbeddedWhisperEngine(engine), RayMetricsSink())
+
+
+class IngestActor(_HostActor):
     def __init__(self, options: IngestHostOptions) -> None:
+        super().__init__()
         self.host = IngestHost(options)
-        self._started = False
-
-    async def _ensure(self) -> None:
-        if not self._started:
-            await self.host.start()
-            self._started = True
-
-    async def add_stream(self, opts: StreamOptions) -> None:
-        await self._ensure()
-        await self.host.add_stream(opts)
-
-    async def streams(self) -> list[str]:
-        return list(await self.host.health())
-
-    async def health(self) -> dict[str, str]:
-        await self._ensure()
-        return await self.host.health()
-
-    async def stop(self) -> None:
-        if self._started:
-            await self.host.stop()
 
 
 @dataclass

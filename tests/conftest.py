@@ -1,12 +1,14 @@
-"""Shared test setup: a real redis-server on a free port."""
+"""Shared test setup: a real redis-server on a free port, emptied per test that asks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from redis.asyncio import Redis
 
 from orchestrator.redis_server import LocalRedisServer
+from workers.bus import RedisBus
 
 
 @pytest.fixture(scope="session")
@@ -15,3 +17,21 @@ def redis_server() -> Iterator[LocalRedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
+    """The session-wide server, emptied for this test."""
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.flushdb()
+    finally:
+        await client.aclose()
+    yield redis_server.url
+
+
+@pytest.fixture
+async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
+    client = Redis.from_url(redis_url)
+    yield RedisBus(client)
+    await client.aclose()

@@ -10,23 +10,21 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import jiwer
 import pytest
-from redis.asyncio import Redis
 
-from orchestrator.redis_server import LocalRedisServer
 from tests.speech import AUDIO, decode_pcm16, normalize
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus
 from workers.engines.base import (
     END,
-    EngineCapabilities,
     RecognizeSession,
     SessionInput,
     SessionOptions,
     SpeechEngine,
+    WrappedEngine,
 )
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.events import (
@@ -58,24 +56,6 @@ SCRIPTED_PARTIAL = TranscriptDelta(
 @pytest.fixture(scope="module")
 def room_b() -> bytes:
     return decode_pcm16(AUDIO / "room-b.flac")
-
-
-@pytest.fixture
-async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
-    """The session-wide server, emptied for this test."""
-    client = Redis.from_url(redis_server.url)
-    try:
-        await client.flushdb()
-    finally:
-        await client.aclose()
-    yield redis_server.url
-
-
-@pytest.fixture
-async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
-    client = Redis.from_url(redis_url)
-    yield RedisBus(client)
-    await client.aclose()
 
 
 async def eventually(
@@ -147,7 +127,7 @@ class _CrashAfterChunks(RecognizeSession):
                     raise RuntimeError("injected session fault")
 
 
-class CrashingSessionEngine(SpeechEngine):
+class CrashingSessionEngine(WrappedEngine):
     """Fault injection for tests: the real engine, except that the first
     `crash_sessions` sessions opened for `crash_stream` fail after `after_chunks`
     chunks of audio. Counts `open_session` calls per stream."""
@@ -155,18 +135,11 @@ class CrashingSessionEngine(SpeechEngine):
     def __init__(
         self, inner: SpeechEngine, crash_stream: str, *, after_chunks: int, crash_sessions: int = 1
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.crash_stream = crash_stream
         self.after_chunks = after_chunks
         self.crash_sessions = crash_sessions
         self.opened: Counter[str] = Counter()
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities
-
-    async def start(self) -> None:
-        await self.inner.start()
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         self.opened[options.stream_id] += 1
@@ -178,15 +151,6 @@ class CrashingSessionEngine(SpeechEngine):
             session.start()
             return session
         return self.inner.open_session(options)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    async def check_health(self) -> bool:
-        return await self.inner.check_health()
-
-    def stats(self) -> dict[str, float]:
-        return self.inner.stats()
 
 
 # --- tests --------------------------------------------------------------------------------

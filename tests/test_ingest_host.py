@@ -21,9 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from redis.asyncio import Redis
 
-from orchestrator.redis_server import LocalRedisServer
 from tests.speech import AUDIO
 from workers.bus import RedisBus, audio_key
 from workers.events import SAMPLE_RATE, StreamOptions
@@ -48,24 +46,6 @@ class Entry:
     @property
     def end(self) -> int:
         return self.pos + self.samples
-
-
-@pytest.fixture
-async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
-    """The session-wide server, emptied for this test."""
-    client = Redis.from_url(redis_server.url)
-    try:
-        await client.flushdb()
-    finally:
-        await client.aclose()
-    yield redis_server.url
-
-
-@pytest.fixture
-async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
-    client = Redis.from_url(redis_url)
-    yield RedisBus(client)
-    await client.aclose()
 
 
 def new_host(redis_url: str) -> IngestHost:

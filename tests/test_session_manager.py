@@ -25,11 +25,11 @@ from bench.rollover import seam_doubles, talk
 from tests.speech import normalize
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import (
-    EngineCapabilities,
     RecognizeSession,
     SessionInput,
     SessionOptions,
     SpeechEngine,
+    WrappedEngine,
 )
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.engines.faults import MuteAfterEngine, RaisingEngine
@@ -51,22 +51,12 @@ class Played:
     t0: float = 0.0
 
 
-class RecordingEngine(SpeechEngine):
+class RecordingEngine(WrappedEngine):
     """Test tool: the real engine, plus a copy of every chunk its sessions get."""
 
     def __init__(self, inner: SpeechEngine) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.chunks: list[AudioChunk] = []
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         recorder = self

@@ -137,6 +137,9 @@ class IngestHost:
     async def health(self) -> dict[str, str]:
         return dict(self._state)
 
+    def streams(self) -> list[str]:
+        return list(self._tasks)
+
     async def stop(self) -> None:
         for stream_id in list(self._tasks):
             await self.remove_stream(stream_id)

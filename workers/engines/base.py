@@ -146,3 +146,27 @@ class SpeechEngine(ABC):
     def stats(self) -> dict[str, float]:
         """Cumulative engine counters (e.g. busy seconds), for status and benchmarks."""
         return {}
+
+
+class WrappedEngine(SpeechEngine):
+    """An engine that adds behaviour around another one (fault injection, recording);
+    everything but `open_session` is the inner engine's."""
+
+    def __init__(self, inner: SpeechEngine) -> None:
+        self.inner = inner
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.inner.capabilities
+
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def check_health(self) -> bool:
+        return await self.inner.check_health()
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()

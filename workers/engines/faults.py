@@ -18,11 +18,11 @@ from typing import Literal
 
 from workers.engines.base import (
     END,
-    EngineCapabilities,
     RecognizeSession,
     SessionInput,
     SessionOptions,
     SpeechEngine,
+    WrappedEngine,
 )
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta
 
@@ -73,24 +73,14 @@ class _FaultySession(RecognizeSession):
                 await self._emit(TranscriptDelta(language=delta.language))
 
 
-class _FaultyEngine(SpeechEngine):
+class _FaultyEngine(WrappedEngine):
     kind: Literal["mute", "blank", "raise"] = "mute"
 
     def __init__(self, inner: SpeechEngine, after_s: float, sessions: int | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.after_s = after_s
         self.faulty_sessions = sessions
         self.sessions_opened = 0
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return self.inner.capabilities
-
-    async def start(self) -> None:
-        await self.inner.start()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         self.sessions_opened += 1
@@ -100,9 +90,6 @@ class _FaultyEngine(SpeechEngine):
                                  self.kind)
         session.start()
         return session
-
-    def stats(self) -> dict[str, float]:
-        return self.inner.stats()
 
 
 class MuteAfterEngine(_FaultyEngine):
