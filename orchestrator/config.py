@@ -128,9 +128,20 @@ class SessionConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    kind: Literal["embedded"] = Field(default="embedded", description="speech engine backend")
-    model: Literal["whisper-base", "tiny.en"] = Field(
-        default="whisper-base", description="ASR model; tiny.en is English-only")
+    kind: Literal["embedded", "realtime-ws"] = Field(
+        default="embedded",
+        description="speech engine: embedded (CPU Whisper) or realtime-ws (a /v1/realtime server)")
+    model: str = Field(
+        default="whisper-base",
+        description="embedded: whisper-base or tiny.en (English-only); realtime-ws: the model "
+                    "name sent in session.update")
+    url: str | None = Field(
+        default=None, description="realtime-ws: ws(s):// URL of the /v1/realtime endpoint")
+    delay_s: float = Field(default=0.48, ge=0,
+                           description="realtime-ws: how far the server's text lags its audio")
+    max_session_s: float | None = Field(
+        default=None, gt=0,
+        description="realtime-ws: the server's session cap in audio seconds, if known")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
     streams_per_actor: int = Field(default=4, ge=1, description="streams one ASR actor decodes")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
@@ -138,6 +149,18 @@ class EngineConfig(_Strict):
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
     session: SessionConfig = Field(default_factory=SessionConfig,
                                    description="session manager: rollover, rut watchdog, pacing")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> Self:
+        if self.kind == "embedded" and self.model not in ("whisper-base", "tiny.en"):
+            raise _fail(f"embedded engine model must be 'whisper-base' or 'tiny.en', "
+                        f"got {self.model!r}")
+        if self.kind == "realtime-ws":
+            if not self.url or not self.url.startswith(("ws://", "wss://")):
+                raise _fail("engine kind realtime-ws needs url: ws://HOST:PORT/v1/realtime")
+        elif self.url is not None:
+            raise _fail("url is only for engine kind realtime-ws")
+        return self
 
 
 class IngestConfig(_Strict):
@@ -263,7 +286,8 @@ class EventConfig(_Strict):
                                  f"duplicate stream id {s.id!r} (first used by streams"
                                  f"[{seen[s.id]}])", s.id))
             seen.setdefault(s.id, i)
-            if self.engine.model == "tiny.en" and s.language != "en":
+            if (self.engine.kind == "embedded" and self.engine.model == "tiny.en"
+                    and s.language != "en"):
                 problems.append((("streams", i, "language"),
                                  f"model 'tiny.en' is English-only but language is "
                                  f"{s.language!r}; set language: en or engine.model: "

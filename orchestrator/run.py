@@ -67,7 +67,7 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         port = cfg.gateway.port or free_port(cfg.gateway.host)
-        app = create_app(redis_url, gateway_streams(cfg), cfg.event)
+        app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,))
         server = _EmbeddedServer(uvicorn.Config(app, host=cfg.gateway.host, port=port,
                                                 log_level="warning", lifespan="on"))
         gateway = asyncio.create_task(_serve(server), name="gateway")

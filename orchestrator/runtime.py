@@ -24,7 +24,9 @@ from orchestrator.config import EventConfig, StreamConfig
 from orchestrator.redis_server import LocalRedisServer
 from orchestrator.router import PlacementError, Router
 from workers.asr import AsrHost, AsrHostOptions
+from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
+from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
 from workers.events import StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
 from workers.sessions.manager import SessionPolicy
@@ -96,8 +98,12 @@ class RayMetricsSink:
             self.voiced.set(gauges["voiced_without_text_s"], tags={"stream": stream})
 
 
-def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions:
+def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions | RealtimeWsOptions:
     e = cfg.engine
+    if e.kind == "realtime-ws":
+        assert e.url is not None
+        return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
+                                 max_session_s=e.max_session_s)
     return EmbeddedEngineOptions(
         model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s
     )
@@ -137,10 +143,17 @@ class _HostActor:
             await self.host.stop()
 
 
+def build_engine(options: EmbeddedEngineOptions | RealtimeWsOptions) -> SpeechEngine:
+    if isinstance(options, RealtimeWsOptions):
+        return RealtimeWsEngine(options)
+    return EmbeddedWhisperEngine(options)
+
+
 class AsrActor(_HostActor):
-    def __init__(self, options: AsrHostOptions, engine: EmbeddedEngineOptions) -> None:
+    def __init__(self, options: AsrHostOptions,
+                 engine: EmbeddedEngineOptions | RealtimeWsOptions) -> None:
         super().__init__()
-        self.host = AsrHost(options, EmbeddedWhisperEngine(engine), RayMetricsSink())
+        self.host = AsrHost(options, build_engine(engine), RayMetricsSink())
 
 
 class IngestActor(_HostActor):

@@ -259,3 +259,35 @@ def test_every_field_has_a_description() -> None:
     missing = [f"{m.__name__}.{name}" for m in models
                for name, field in m.model_fields.items() if not field.description]
     assert missing == []
+
+
+def test_realtime_ws_engine_needs_a_websocket_url(tmp_path: Path) -> None:
+    cfg = tmp_path / "rt.yaml"
+    cfg.write_text("event: e\nengine:\n  kind: realtime-ws\n  model: voxtral\n"
+                   "streams:\n  - {id: a, source: push}\n")
+    with pytest.raises(ConfigError) as err:
+        load_event(cfg)
+    assert f"{cfg}:2: engine:" in str(err.value)
+    assert "ws://" in str(err.value)
+
+
+def test_realtime_ws_engine_maps_to_client_options(tmp_path: Path) -> None:
+    from orchestrator.runtime import engine_options
+    from workers.engines.realtime_ws import RealtimeWsOptions
+
+    cfg = tmp_path / "rt.yaml"
+    cfg.write_text("event: e\nengine:\n  kind: realtime-ws\n  model: voxtral-mini\n"
+                   "  url: ws://gpu-1:8000/v1/realtime\n  max_session_s: 2880\n"
+                   "streams:\n  - {id: a, source: push, language: fr}\n")
+    opts = engine_options(load_event(cfg))
+    assert opts == RealtimeWsOptions(url="ws://gpu-1:8000/v1/realtime", model="voxtral-mini",
+                                     delay_s=0.48, max_session_s=2880.0)
+
+
+def test_embedded_engine_rejects_an_unknown_model(tmp_path: Path) -> None:
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text("event: e\nengine: {model: whisper-large}\n"
+                   "streams:\n  - {id: a, source: push}\n")
+    with pytest.raises(ConfigError) as err:
+        load_event(cfg)
+    assert "whisper-large" in str(err.value)

@@ -11,6 +11,7 @@ One event runs for the whole module (starting Ray and loading the model costs
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -250,3 +251,88 @@ def test_tail_prints_captions_as_a_client(
     got = [json.loads(line) for line in result.stdout.splitlines()]
     want = [m for m in talk_messages if m["is_final"]][:3]
     assert [(m["seq"], m["text"]) for m in got] == [(m["seq"], m["text"]) for m in want]
+
+
+def test_realtime_ws_engine_captions_speech_through_babelcasts_own_endpoint(
+    event: Event, talk_messages: list[dict[str, Any]]
+) -> None:
+    """The `realtime-ws` engine (behind the session manager, as in an ASR actor) as a
+    client of the gateway's `/v1/realtime`, which feeds the event's push stream."""
+    from workers.captions.segmenter import Segmenter
+    from workers.engines.base import SessionOptions
+    from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
+    from workers.events import SAMPLE_RATE, AudioChunk
+    from workers.sessions.manager import SessionManager
+
+    pcm = decode_pcm16(AUDIO / "room-a.flac") + bytes(2 * SAMPLE_RATE * 2)
+    engine = RealtimeWsEngine(RealtimeWsOptions(
+        url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5))
+
+    async def run() -> list[str]:
+        manager = SessionManager(engine, SessionOptions("rt", "en"))
+        manager.start()
+        finals: list[str] = []
+
+        async def feed() -> None:
+            t0 = time.monotonic()
+            for i in range(0, len(pcm), 3200):
+                await asyncio.sleep(max(0.0, t0 + (i + 3200) / 32000 - time.monotonic()))
+                await manager.push(AudioChunk("rt", i // 2, pcm[i : i + 3200], time.time()))
+            await manager.end_input()
+
+        async def consume() -> None:
+            seg = Segmenter("rt", "en")
+            async for delta in manager:
+                finals.extend(c.text for c in seg.feed(delta) if c.is_final)
+
+        await asyncio.gather(feed(), consume())
+        return finals
+
+    finals = asyncio.run(asyncio.wait_for(run(), 90))
+    wer = jiwer.wer(normalize((AUDIO / "room-a.txt").read_text()), normalize(" ".join(finals)))
+    assert wer <= 0.15, f"WER {wer:.3f}"
+    assert not engine.server_errors
+
+
+def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
+    event: Event,
+) -> None:
+    async def run() -> tuple[list[str], dict[str, Any]]:
+        codes: list[str] = []
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=pushed") as ws:
+
+            async def recv() -> dict[str, Any]:
+                return dict(json.loads(await asyncio.wait_for(ws.recv(), 20)))
+
+            assert (await recv())["type"] == "session.created"
+            for bad in ("{not json", json.dumps({"type": "input_audio_buffer.commit"}),
+                        json.dumps({"type": "no.such.event"}),
+                        json.dumps({"type": "input_audio_buffer.append", "audio": "@@@"}),
+                        json.dumps({"type": "session.update"})):
+                await ws.send(bad)
+                reply = await recv()
+                assert reply["type"] == "error"
+                codes.append(reply["code"])
+            # Still usable: a whole (short) session works after all of that.
+            await ws.send(json.dumps({"type": "session.update", "model": "any-model"}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": False}))
+            silence = base64.b64encode(bytes(3200)).decode()
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+            done = await recv()
+        return codes, done
+
+    codes, done = asyncio.run(run())
+    assert codes == ["invalid_json", "model_not_validated", "unknown_event", "invalid_audio",
+                     "invalid_event"]
+    assert done["type"] == "transcription.done"
+    assert done["usage"]["audio_seconds"] == 0.1
+
+
+def test_realtime_endpoint_refuses_a_stream_that_is_not_push(event: Event) -> None:
+    async def run() -> dict[str, Any]:
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=talk") as ws:
+            return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+
+    reply = asyncio.run(run())
+    assert reply["type"] == "error" and "push" in reply["error"]

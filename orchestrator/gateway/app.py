@@ -27,6 +27,8 @@ from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.gateway.hub import CaptionHub, ClientQueue
+from orchestrator.gateway.realtime import RealtimeConnection
+from orchestrator.gateway.realtime_protocol import error_event
 from workers.bus import RedisBus, caption_to_json, captions_key
 from workers.events import CaptionSegment, StreamOptions
 from workers.ingest import AudioClock, write_audio
@@ -46,8 +48,12 @@ def _error(code: str, message: str) -> str:
     return json.dumps({"type": "error", "code": code, "message": message})
 
 
-def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "") -> FastAPI:
+def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "",
+               engine_profiles: tuple[str, ...] = ()) -> FastAPI:
+    """`engine_profiles`: names `/v1/realtime` clients may ask for in session.update;
+    with one profile (or none named) any model name selects it."""
     by_id = {s.options.stream_id: s for s in streams}
+    push_ids = [s.options.stream_id for s in streams if s.source_kind == "push"]
     state: dict[str, Any] = {}
 
     @asynccontextmanager
@@ -198,6 +204,42 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             with contextlib.suppress(Exception):
                 await ws.close()
 
+    def clock_for(stream_id: str) -> AudioClock:
+        clock: AudioClock = state["clocks"][stream_id]
+        return clock
+
+    async def ensure_clock(stream_id: str) -> AudioClock:
+        clocks: dict[str, AudioClock] = state["clocks"]
+        if stream_id not in clocks:
+            pos, wall = await bus().last_audio_end(stream_id)
+            clocks[stream_id] = AudioClock(stream_id, pos, last_wall=wall,
+                                           reason="push-reconnected")
+        return clocks[stream_id]
+
+    def accepts(model: str) -> bool:
+        return len(engine_profiles) <= 1 or model in engine_profiles
+
+    @app.websocket("/v1/realtime")
+    async def realtime_ws(ws: WebSocket) -> None:
+        await ws.accept()
+        stream_id = ws.query_params.get("stream") or (push_ids[0] if len(push_ids) == 1 else "")
+        gs = by_id.get(stream_id)
+        if gs is None or gs.source_kind != "push":
+            await ws.send_text(error_event(
+                "invalid_event",
+                "connect to /v1/realtime?stream=ID where ID is a stream with `source: push`"
+                f" (push streams: {push_ids})"))
+            await ws.close(code=4404)
+            return
+        await ensure_clock(stream_id)
+        await bus().set_status(stream_id, source_state="live")
+        conn = RealtimeConnection(ws, stream_id=stream_id, lang=gs.options.caption_lang,
+                                  bus=bus(), hub=state["hub"], clock_for=clock_for,
+                                  accepts=accepts)
+        await conn.run()
+        with contextlib.suppress(Exception):
+            await bus().set_status(stream_id, source_state="waiting")
+
     @app.websocket("/v1/streams/{stream_id}/audio")
     async def push_audio_ws(ws: WebSocket, stream_id: str) -> None:
         await ws.accept()
@@ -208,12 +250,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             )
             await ws.close(code=4403)
             return
-        clocks: dict[str, AudioClock] = state["clocks"]
-        clock = clocks.get(stream_id)
-        if clock is None:
-            pos, wall = await bus().last_audio_end(stream_id)
-            clock = clocks[stream_id] = AudioClock(stream_id, pos, last_wall=wall,
-                                                   reason="push-reconnected")
+        clock = await ensure_clock(stream_id)
         await bus().set_status(stream_id, source_state="live")
         frames = metrics.PUSH_FRAMES.labels(stream=stream_id)
         bad = metrics.PUSH_BAD_FRAMES.labels(stream=stream_id)
