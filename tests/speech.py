@@ -8,7 +8,6 @@ import re
 import wave
 from pathlib import Path
 
-import av
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +19,8 @@ REFERENCE_FILES = ("room-a", "room-b")
 
 def decode_pcm16(path: Path) -> bytes:
     """Any audio file → PCM16 16 kHz mono bytes (PyAV)."""
+    import av  # here, not at the top: the GPU host has no PyAV
+
     out = bytearray()
     with av.open(str(path)) as container:
         resampler = av.AudioResampler(format="s16", layout="mono", rate=16000)

@@ -77,6 +77,9 @@ class RecognizeSession(ABC):
             self._task = asyncio.create_task(self._main(), name=f"session:{self.options.stream_id}")
 
     async def push(self, item: AudioChunk | AudioGap) -> None:
+        self.push_nowait(item)
+
+    def push_nowait(self, item: AudioChunk | AudioGap) -> None:
         if self._in.full():
             # Drop the oldest audio, never block the reader: the pos jump that the
             # drop leaves is seen by the session as a gap.
