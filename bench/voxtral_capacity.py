@@ -62,7 +62,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                                                         Callable[[], int],
                                                         Callable[[], Awaitable[None]]]]]
                  ) -> dict[str, Any]:
-    """Run n sessions; `start(i)` returns (push float32 frame, outputs so far, close)."""
+    """Run n sessions; `start(i)` returns (push a PCM16 frame, outputs so far, close)."""
     handles = [await start(i) for i in range(n)]
     stop = asyncio.Event()
     util: list[float] = []
@@ -78,7 +78,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         for k in range(frames):
             await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 - time.monotonic()))
             j = (offset + k * FRAME) % (audio.size - FRAME)
-            push(audio[j : j + FRAME].astype(np.float32) / 32768.0)
+            push(audio[j : j + FRAME])  # PCM16, as a client sends it
 
     async def mark() -> None:
         await asyncio.sleep(warm)
@@ -125,8 +125,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         d = asyncio.create_task(drain())
 
         def push(frame: np.ndarray) -> None:
-            pcm = (frame * 32768.0).astype("<i2").tobytes()
-            session.push_nowait(AudioChunk(f"ours{i}", pos[0], pcm, time.time()))
+            session.push_nowait(AudioChunk(f"ours{i}", pos[0], frame.tobytes(), time.time()))
             pos[0] += FRAME
 
         async def close() -> None:
@@ -172,7 +171,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await llm.abort(rid)
             task.cancel()
 
-        return audio_q.put_nowait, (lambda: count[0]), close
+        def push(frame: np.ndarray) -> None:
+            # vLLM's realtime connection converts each PCM16 frame the same way.
+            audio_q.put_nowait(frame.astype(np.float32) / 32768.0)
+
+        return push, (lambda: count[0]), close
 
     baseline = await _phase(args.streams, args.seconds, audio, theirs)
     await engine.aclose()

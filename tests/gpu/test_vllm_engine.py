@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -22,11 +23,9 @@ MODEL_DIR = os.environ.get("BABELCAST_VOXTRAL_DIR", "")
 
 
 def _gpu_ready() -> bool:
-    if not MODEL_DIR or importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
+    # No torch.cuda call here: a CUDA context in this process breaks vLLM's forked
+    # engine core ("Cannot re-initialize CUDA in forked subprocess").
+    return bool(MODEL_DIR and importlib.util.find_spec("vllm") and shutil.which("nvidia-smi"))
 
 
 if not _gpu_ready():

@@ -210,14 +210,25 @@ class VllmVoxtralSession(RecognizeSession):
 
     async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
         backend = self.engine.backend
-        audio_q: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+        ended = False
 
         async def audio() -> AsyncIterator[np.ndarray]:
-            while (chunk := await audio_q.get()) is not None:
-                yield chunk
+            # Straight from the session's input queue into the model's audio buffer:
+            # no extra hop per 80 ms frame (per-step CPU work bounds capacity).
+            nonlocal ended
+            while True:
+                item = await inputs.get()
+                if item is END:
+                    ended = True
+                    return  # the buffer adds right padding, then the request ends
+                if isinstance(item, AudioChunk):
+                    self._fed_end = item.pos + item.samples
+                    yield np.frombuffer(item.pcm, dtype="<i2").astype(np.float32) / 32768.0
 
-        async def decode() -> None:
+        self.engine.sessions_open += 1
+        finished = False
+        try:
             async for out in backend.generate(backend.prompts(audio(), tokens), self.request_id):
                 if not out.outputs:
                     continue
@@ -225,38 +236,17 @@ class VllmVoxtralSession(RecognizeSession):
                 self.outputs += 1
                 tokens.put_nowait(list(o.token_ids))  # fed back: the next step's context
                 if o.text:
-                    await self._emit(TranscriptDelta(committed=(self._word(o.text),)))
-
-        self.engine.sessions_open += 1
-        generation = asyncio.create_task(decode(), name=self.request_id)
-        finished = False
-        try:
-            while True:
-                get = asyncio.ensure_future(inputs.get())
-                done, _ = await asyncio.wait({get, generation},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if generation in done:
-                    get.cancel()
-                    generation.result()  # an engine error surfaces here
-                    finished = True
-                    return  # the engine ended the session (max_model_len on vLLM ≥ 0.33)
-                item = get.result()
-                if item is END:
-                    audio_q.put_nowait(None)  # the buffer adds right padding, then ends
-                    await generation
-                    finished = True
-                    return
-                if isinstance(item, AudioChunk):
-                    self._fed_end = item.pos + item.samples
-                    pcm = np.frombuffer(item.pcm, dtype="<i2").astype(np.float32) / 32768.0
-                    audio_q.put_nowait(pcm)
+                    self._out.put_nowait(TranscriptDelta(committed=(self._word(o.text),)))
+            # Either our END flushed it, or the engine ended the session on its own
+            # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
+            finished = True
+            if not ended:
+                log.info("stream %s: engine ended the session", self.options.stream_id)
         finally:
             self.engine.sessions_open -= 1
             if not finished:
-                # Cancelling the task alone would leave the request holding a slot.
+                # Cancelled or failed: cancelling alone would leave the request holding
+                # a slot in the engine.
                 self.engine.aborts += 1
                 with contextlib.suppress(Exception):
                     await backend.abort(self.request_id)
-            generation.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await generation
