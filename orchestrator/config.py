@@ -127,14 +127,33 @@ class SessionConfig(_Strict):
         return self
 
 
+class VllmConfig(_Strict):
+    """AsyncLLM settings of the vllm engine (see VLLM.md); one engine per GPU actor."""
+
+    max_model_len: int = Field(default=131072, ge=256,
+                               description="positions per session (× 80 ms = session cap)")
+    gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1,
+                                          description="share of GPU memory vLLM may take")
+    load_format: Literal["mistral", "dummy"] = Field(
+        default="mistral", description="mistral: real weights; dummy: random (benchmarks)")
+    enforce_eager: bool = Field(default=False, description="no CUDA graphs")
+    cudagraph_mode: Literal["PIECEWISE", "NONE"] = Field(
+        default="PIECEWISE", description="Voxtral refuses FULL graphs")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="at least 400 × streams_per_actor is used anyway")
+    delay_ms: int = Field(default=480, ge=80, le=2400,
+                          description="the model folder's transcription delay (tekken.json)")
+
+
 class EngineConfig(_Strict):
-    kind: Literal["embedded", "realtime-ws"] = Field(
+    kind: Literal["embedded", "realtime-ws", "vllm"] = Field(
         default="embedded",
-        description="speech engine: embedded (CPU Whisper) or realtime-ws (a /v1/realtime server)")
+        description="speech engine: embedded (CPU Whisper), vllm (Voxtral Realtime on a GPU "
+                    "per actor) or realtime-ws (a /v1/realtime server)")
     model: str = Field(
         default="whisper-base",
-        description="embedded: whisper-base or tiny.en (English-only); realtime-ws: the model "
-                    "name sent in session.update")
+        description="embedded: whisper-base or tiny.en (English-only); vllm: the Voxtral model "
+                    "folder; realtime-ws: the model name sent in session.update")
     url: str | None = Field(
         default=None, description="realtime-ws: ws(s):// URL of the /v1/realtime endpoint")
     delay_s: float = Field(default=0.48, ge=0,
@@ -149,9 +168,14 @@ class EngineConfig(_Strict):
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
     session: SessionConfig = Field(default_factory=SessionConfig,
                                    description="session manager: rollover, rut watchdog, pacing")
+    vllm: VllmConfig | None = Field(default=None, description="vllm engine settings")
 
     @model_validator(mode="after")
     def _kind_fields(self) -> Self:
+        if self.kind == "vllm" and self.vllm is None:
+            self.vllm = VllmConfig()
+        elif self.kind != "vllm" and self.vllm is not None:
+            raise _fail("a vllm section needs engine kind vllm")
         if self.kind == "embedded" and self.model not in ("whisper-base", "tiny.en"):
             raise _fail(f"embedded engine model must be 'whisper-base' or 'tiny.en', "
                         f"got {self.model!r}")

@@ -27,6 +27,7 @@ from workers.asr import AsrHost, AsrHostOptions
 from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
+from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine
 from workers.events import StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
 from workers.sessions.manager import SessionPolicy
@@ -98,8 +99,20 @@ class RayMetricsSink:
             self.voiced.set(gauges["voiced_without_text_s"], tags={"stream": stream})
 
 
-def engine_options(cfg: EventConfig) -> EmbeddedEngineOptions | RealtimeWsOptions:
+EngineOptions = EmbeddedEngineOptions | RealtimeWsOptions | VllmEngineOptions
+
+
+def engine_options(cfg: EventConfig) -> EngineOptions:
     e = cfg.engine
+    if e.kind == "vllm":
+        v = e.vllm
+        assert v is not None
+        return VllmEngineOptions(
+            model=e.model, max_streams=e.streams_per_actor, max_model_len=v.max_model_len,
+            gpu_memory_utilization=v.gpu_memory_utilization, load_format=v.load_format,
+            enforce_eager=v.enforce_eager, cudagraph_mode=v.cudagraph_mode,
+            max_num_batched_tokens=v.max_num_batched_tokens, delay_s=v.delay_ms / 1000,
+        )
     if e.kind == "realtime-ws":
         assert e.url is not None
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
@@ -143,15 +156,16 @@ class _HostActor:
             await self.host.stop()
 
 
-def build_engine(options: EmbeddedEngineOptions | RealtimeWsOptions) -> SpeechEngine:
+def build_engine(options: EngineOptions) -> SpeechEngine:
     if isinstance(options, RealtimeWsOptions):
         return RealtimeWsEngine(options)
+    if isinstance(options, VllmEngineOptions):
+        return VllmVoxtralEngine(options)
     return EmbeddedWhisperEngine(options)
 
 
 class AsrActor(_HostActor):
-    def __init__(self, options: AsrHostOptions,
-                 engine: EmbeddedEngineOptions | RealtimeWsOptions) -> None:
+    def __init__(self, options: AsrHostOptions, engine: EngineOptions) -> None:
         super().__init__()
         self.host = AsrHost(options, build_engine(engine), RayMetricsSink())
 
@@ -200,9 +214,12 @@ class EventRuntime:
         actor_opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1}
         asr_cls = ray.remote(**actor_opts)(AsrActor)
         ingest_cls = ray.remote(**actor_opts)(IngestActor)
+        # The vllm engine owns one GPU per ASR actor; Ray places actors on GPU nodes.
+        asr_gpus = 1 if e.kind == "vllm" else 0
         for i in range(e.actors):
             actor_id = f"asr-{i}"
-            self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}").remote(
+            self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}",
+                                                 num_gpus=asr_gpus).remote(
                 AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
                                max_streams=e.streams_per_actor,
                                session_policy=session_policy(self.cfg)),

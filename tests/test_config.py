@@ -291,3 +291,31 @@ def test_embedded_engine_rejects_an_unknown_model(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_event(cfg)
     assert "whisper-large" in str(err.value)
+
+
+def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
+    from orchestrator.runtime import engine_options
+    from workers.engines.vllm_voxtral import VllmEngineOptions, engine_kwargs
+
+    cfg = load_event(Path(__file__).parent.parent / "examples" / "voxtral-gpu.yaml")
+    opts = engine_options(cfg)
+    assert isinstance(opts, VllmEngineOptions)
+    assert opts.max_streams == 16 and opts.delay_s == pytest.approx(0.48)
+    fields = {"model", "tokenizer_mode", "config_format", "load_format", "dtype",
+              "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+              "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching",
+              "limit_mm_per_prompt", "compilation_config"}
+    kw = engine_kwargs(opts, fields)
+    assert kw["model"] == "/models/Voxtral-Mini-4B-Realtime-2602"
+    assert kw["max_num_seqs"] == 16 and kw["max_num_batched_tokens"] == 6400
+    assert kw["tokenizer_mode"] == "mistral" and kw["load_format"] == "mistral"
+    assert kw["max_model_len"] == 131072
+
+
+def test_vllm_section_without_vllm_engine_is_an_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "e.yaml"
+    cfg.write_text("event: e\nengine:\n  vllm: {max_model_len: 4096}\n"
+                   "streams:\n  - {id: a, source: push}\n")
+    with pytest.raises(ConfigError) as err:
+        load_event(cfg)
+    assert "engine kind vllm" in str(err.value)
