@@ -62,7 +62,14 @@ streams:
   - {{id: pushed, source: push, language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
 """)
-    log = tmp / "run.log"
+    ev = start_event(cfg, port)
+    yield ev
+    stop_event(ev)
+
+
+def start_event(cfg: Path, port: int) -> Event:
+    """`babelcast run` as an operator starts it; returns once its gateway answers."""
+    log = cfg.with_suffix(".log")
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
@@ -76,20 +83,20 @@ gateway: {{host: 127.0.0.1, port: {port}}}
             pytest.fail(f"babelcast run exited: {log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
+                return Event(base, proc, log)
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    else:
-        proc.kill()
-        pytest.fail(f"gateway did not come up: {log.read_text()[-3000:]}")
-    ev = Event(base, proc, log)
-    yield ev
-    proc.send_signal(signal.SIGINT)  # what an operator's Ctrl-C sends
+    proc.kill()
+    pytest.fail(f"gateway did not come up: {log.read_text()[-3000:]}")
+
+
+def stop_event(ev: Event) -> None:
+    ev.proc.send_signal(signal.SIGINT)  # what an operator's Ctrl-C sends
     try:
-        proc.wait(60)
+        ev.proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        ev.proc.kill()
 
 
 async def messages(url: str) -> AsyncIterator[dict[str, Any]]:
@@ -336,3 +343,43 @@ def test_realtime_endpoint_refuses_a_stream_that_is_not_push(event: Event) -> No
 
     reply = asyncio.run(run())
     assert reply["type"] == "error" and "push" in reply["error"]
+
+
+def test_an_event_with_the_realtime_ws_engine_captions_through_another_events_endpoint(
+    event: Event, redis_server: LocalRedisServer, tmp_path: Path,
+    talk_messages: list[dict[str, Any]],
+) -> None:
+    """Event B's ASR actor runs the realtime-ws engine against event A's /v1/realtime
+    (A's push stream, A's Whisper); B's own clients get captions as usual."""
+    port = free_port()
+    cfg = tmp_path / "relay.yaml"
+    cfg.write_text(f"""
+event: relay test
+redis: {{url: "{redis_server.url[:-2]}/1"}}
+engine:
+  kind: realtime-ws
+  model: whisper-base
+  url: "{event.ws}/v1/realtime?stream=pushed"
+  delay_s: 1.5
+streams:
+  - {{id: relay, source: "{AUDIO / 'room-a.flac'}", language: en}}
+gateway: {{host: 127.0.0.1, port: {port}}}
+""")
+    relay = start_event(cfg, port)
+    try:
+        async def finals() -> list[str]:
+            out: list[str] = []
+            async for msg in messages(f"{relay.ws}/v1/streams/relay/captions?lang=en&since=0"):
+                if msg["is_final"] and msg["text"]:
+                    out.append(msg["text"])
+                    # room-a ends with "... is to be ill disposed".
+                    if "unless" in " ".join(out).lower() and "dispos" in msg["text"].lower():
+                        return out
+            return out
+
+        got = asyncio.run(asyncio.wait_for(finals(), 120))
+    finally:
+        stop_event(relay)
+    ref = normalize((AUDIO / "room-a.txt").read_text())
+    wer = jiwer.wer(ref, normalize(" ".join(got)))
+    assert wer <= 0.2, f"WER {wer:.3f}"
