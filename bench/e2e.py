@@ -41,6 +41,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import emit  # noqa: E402
 from tests.speech import (  # noqa: E402 - shared reference-speech helpers
     normalize,
     reference_text,
@@ -269,11 +270,7 @@ def main() -> int:
         ax.set_title(f"bench.e2e: {args.streams} streams, {args.model}")
         ax.legend()
         fig.savefig(args.plot, dpi=100, bbox_inches="tight")
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:>24}: {v}")
+    emit(result, args.json)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ import jiwer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.report import emit  # noqa: E402
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize  # noqa: E402
 from workers.captions.segmenter import Segmenter  # noqa: E402
 from workers.engines.base import SessionOptions, SpeechEngine  # noqa: E402
@@ -178,11 +178,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result = asyncio.run(main_async(args))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:>22}: {v}")
+    emit(result, args.json)
     return 0
 
 

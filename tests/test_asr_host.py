@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
 
 import jiwer
 import pytest
 
 from tests.speech import AUDIO, decode_pcm16, normalize
+from tests.waiting import eventually
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus
 from workers.engines.base import (
@@ -56,17 +56,6 @@ SCRIPTED_PARTIAL = TranscriptDelta(
 @pytest.fixture(scope="module")
 def room_b() -> bytes:
     return decode_pcm16(AUDIO / "room-b.flac")
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout_s: float, what: str, every_s: float = 0.1
-) -> None:
-    """Poll Redis state (which has no change event to await) until `check` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(every_s)
 
 
 async def feed(bus: RedisBus, stream: str, pcm: bytes, *, pos: int = 0) -> int:

@@ -13,7 +13,6 @@ import itertools
 import os
 import socket
 import threading
-import time
 import wave
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.speech import AUDIO
+from tests.waiting import eventually
 from workers.bus import RedisBus, audio_key
 from workers.events import SAMPLE_RATE, StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
@@ -64,17 +64,6 @@ async def host(redis_url: str) -> AsyncIterator[IngestHost]:
         yield host
     finally:
         await asyncio.wait_for(host.stop(), 15)
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], timeout_s: float, what: str, every_s: float = 0.1
-) -> None:
-    """Poll Redis state (which has no change event to await) until `check` holds."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(every_s)
 
 
 async def audio_entries(bus: RedisBus, stream: str) -> list[Entry]:

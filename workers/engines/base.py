@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from workers.events import AudioChunk, AudioGap, TranscriptDelta
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
 log = logging.getLogger(__name__)
 
@@ -173,3 +173,24 @@ class WrappedEngine(SpeechEngine):
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
+
+
+class DelayedTextStamps:
+    """Audio times for text from engines whose protocol carries no timestamps (vLLM's
+    realtime outputs, /v1/realtime deltas): a piece belongs to the audio that was fed
+    `delay_s` before it arrived. Pieces never go back in time."""
+
+    def __init__(self, delay_s: float, first_piece_s: float) -> None:
+        self.delay_s = delay_s
+        self.first_piece_s = first_piece_s
+        self.fed_end = 0  # stream sample position after the last audio fed
+        self._last_end = 0.0
+
+    def fed(self, chunk: AudioChunk) -> None:
+        self.fed_end = chunk.pos + chunk.samples
+
+    def word(self, text: str) -> Word:
+        end = max(self._last_end, self.fed_end / SAMPLE_RATE - self.delay_s)
+        start = self._last_end or max(0.0, end - self.first_piece_s)
+        self._last_end = end
+        return Word(text, start, end)

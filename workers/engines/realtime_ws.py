@@ -26,6 +26,7 @@ import websockets
 
 from workers.engines.base import (
     END,
+    DelayedTextStamps,
     EngineCapabilities,
     EngineError,
     RecognizeSession,
@@ -33,7 +34,7 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
-from workers.events import SAMPLE_RATE, AudioChunk, TranscriptDelta, Word
+from workers.events import AudioChunk, TranscriptDelta
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,8 @@ class RealtimeWsSession(RecognizeSession):
         super().__init__(options)
         self.engine = engine
         self.opts = engine.options
-        self._fed_end = 0  # stream sample position after the last audio sent
-        self._last_word_end = 0.0
+        self._stamps = DelayedTextStamps(self.opts.delay_s, first_piece_s=0.3)
         self._final_sent = False
-
-    def _word(self, text: str) -> Word:
-        end = max(self._last_word_end, self._fed_end / SAMPLE_RATE - self.opts.delay_s)
-        start = self._last_word_end if self._last_word_end else max(0.0, end - 0.3)
-        self._last_word_end = end
-        return Word(text, start, end)
 
     async def _reader(self, ws: Any) -> None:
         async for raw in ws:
@@ -106,7 +100,7 @@ class RealtimeWsSession(RecognizeSession):
             if kind == "transcription.delta":
                 delta = event.get("delta") or ""
                 if delta:
-                    await self._emit(TranscriptDelta(committed=(self._word(delta),)))
+                    await self._emit(TranscriptDelta(committed=(self._stamps.word(delta),)))
             elif kind == "transcription.done":
                 if not self._final_sent:
                     log.info("stream %s: server ended the session", self.options.stream_id)
@@ -147,7 +141,7 @@ class RealtimeWsSession(RecognizeSession):
                     await asyncio.wait_for(reader, self.opts.done_timeout_s)
                     return
                 if isinstance(item, AudioChunk):
-                    self._fed_end = item.pos + item.samples
+                    self._stamps.fed(item)
                     await ws.send(json.dumps({
                         "type": "input_audio_buffer.append",
                         "audio": base64.b64encode(item.pcm).decode("ascii"),

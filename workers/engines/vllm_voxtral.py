@@ -27,6 +27,7 @@ import numpy as np
 
 from workers.engines.base import (
     END,
+    DelayedTextStamps,
     EngineCapabilities,
     EngineError,
     RecognizeSession,
@@ -34,7 +35,7 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
-from workers.events import SAMPLE_RATE, AudioChunk, TranscriptDelta, Word
+from workers.events import AudioChunk, TranscriptDelta
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +199,7 @@ class VllmVoxtralSession(RecognizeSession):
         self.engine = engine
         self.request_id = f"bc-{options.stream_id}-{uuid.uuid4().hex[:12]}"
         self.outputs = 0  # engine steps seen (≈ frames decoded)
-        self._fed_end = 0
-        self._last_end = 0.0
-
-    def _word(self, text: str) -> Word:
-        # The protocol gives no timestamps: the text belongs to audio one delay ago.
-        end = max(self._last_end, self._fed_end / SAMPLE_RATE - self.engine.options.delay_s)
-        start = self._last_end or max(0.0, end - FRAME_S)
-        self._last_end = end
-        return Word(text, start, end)
+        self._stamps = DelayedTextStamps(engine.options.delay_s, first_piece_s=FRAME_S)
 
     async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
         backend = self.engine.backend
@@ -223,7 +216,7 @@ class VllmVoxtralSession(RecognizeSession):
                     ended = True
                     return  # the buffer adds right padding, then the request ends
                 if isinstance(item, AudioChunk):
-                    self._fed_end = item.pos + item.samples
+                    self._stamps.fed(item)
                     yield np.frombuffer(item.pcm, dtype="<i2").astype(np.float32) / 32768.0
 
         self.engine.sessions_open += 1
@@ -236,7 +229,7 @@ class VllmVoxtralSession(RecognizeSession):
                 self.outputs += 1
                 tokens.put_nowait(list(o.token_ids))  # fed back: the next step's context
                 if o.text:
-                    self._out.put_nowait(TranscriptDelta(committed=(self._word(o.text),)))
+                    self._out.put_nowait(TranscriptDelta(committed=(self._stamps.word(o.text),)))
             # Either our END flushed it, or the engine ended the session on its own
             # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
             finished = True
