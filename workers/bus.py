@@ -22,7 +22,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, CaptionSegment
+from workers.events import AudioChunk, AudioGap, CaptionSegment
 
 log = logging.getLogger(__name__)
 
@@ -200,17 +200,9 @@ class RedisBus:
         mapping["updated"] = repr(time.time())
         await self.redis.hset(actor_key(actor_id), mapping=mapping)
 
-    async def get_actor_status(self, actor_id: str) -> dict[str, str]:
-        raw = await self.redis.hgetall(actor_key(actor_id))
-        return {_s(k): _s(v) for k, v in raw.items()}
-
     async def get_status(self, stream: str) -> dict[str, str]:
         raw = await self.redis.hgetall(status_key(stream))
         return {_s(k): _s(v) for k, v in raw.items()}
-
-
-def samples_to_s(samples: int) -> float:
-    return samples / SAMPLE_RATE
 
 
 def _s(value: bytes | str) -> str:

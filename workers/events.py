@@ -7,7 +7,7 @@ are produced by `workers.bus`, not here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 SAMPLE_RATE = 16_000
 """Every audio chunk inside Babelcast is PCM16 little-endian, mono, 16 kHz."""
@@ -126,13 +126,3 @@ class StreamOptions:
     def caption_lang(self) -> str:
         """The language code under which source-language captions are published."""
         return self.language if self.language != "auto" else "src"
-
-
-@dataclass(frozen=True, slots=True)
-class StreamHealth:
-    """A snapshot of one stream's state on one host, for status views."""
-
-    stream_id: str
-    state: str
-    detail: str = ""
-    counters: dict[str, float] = field(default_factory=dict)
