@@ -20,9 +20,14 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from orchestrator import metrics
-from orchestrator.config import EventConfig, StreamConfig
+from orchestrator.config import EventConfig, StreamConfig, TranslationConfig
 from orchestrator.redis_server import LocalRedisServer
 from orchestrator.router import PlacementError, Router
+from translation.backends import BackendSettings, concrete
+from translation.backends.openai_chat import OpenAIChatOptions
+from translation.backends.vllm_chat import VllmChatOptions
+from translation.glossary import GlossaryTerm
+from translation.host import TranslationHost, TranslationHostOptions
 from workers.asr import AsrHost, AsrHostOptions
 from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
@@ -36,7 +41,8 @@ from workers.sessions.watchdog import RutPolicy
 log = logging.getLogger(__name__)
 
 
-def stream_options(s: StreamConfig) -> StreamOptions:
+def stream_options(s: StreamConfig, t: TranslationConfig | None = None) -> StreamOptions:
+    t = t or TranslationConfig()
     return StreamOptions(
         stream_id=s.id,
         name=s.name,
@@ -44,6 +50,8 @@ def stream_options(s: StreamConfig) -> StreamOptions:
         language=s.language,
         targets=tuple(s.targets),
         loop=s.loop,
+        context_sentences=t.context_sentences,
+        partials_every_s=t.partials_every_s,
     )
 
 
@@ -97,6 +105,73 @@ class RayMetricsSink:
                 self.gap_fill.inc(value, tags={"stream": stream})
         if "voiced_without_text_s" in gauges:
             self.voiced.set(gauges["voiced_without_text_s"], tags={"stream": stream})
+
+
+class RayTranslationMetrics:
+    """Translator figures as `ray.util.metrics` instruments (labels: language, backend)."""
+
+    def __init__(self) -> None:
+        from ray.util import metrics as rm
+
+        self.lag = rm.Histogram(
+            "babelcast_translation_lag_seconds",
+            "Source final published → its translation published",
+            boundaries=[0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0],
+            tag_keys=("lang", "backend"))
+        self.translations = rm.Counter("babelcast_translations_total",
+                                       "Translated captions published",
+                                       tag_keys=("lang", "backend"))
+        self.errors = rm.Counter("babelcast_translation_errors_total",
+                                 "Translations published with an error marker",
+                                 tag_keys=("lang", "backend"))
+        self.depth = rm.Gauge("babelcast_translation_queue_jobs",
+                              "Translation jobs waiting (lag) or being worked on (pending)",
+                              tag_keys=("state",))
+        self.age = rm.Gauge("babelcast_translation_queue_oldest_age_seconds",
+                            "Age of the oldest translation job not yet done")
+
+    def published(self, lang: str, backend: str, lag_s: float, error: bool) -> None:
+        tags = {"lang": lang, "backend": backend}
+        self.translations.inc(1, tags=tags)
+        self.lag.observe(lag_s, tags=tags)
+        if error:
+            self.errors.inc(1, tags=tags)
+
+    def queue(self, depth: dict[str, float]) -> None:
+        self.depth.set(depth.get("pending", 0), tags={"state": "pending"})
+        self.depth.set(depth.get("lag", 0), tags={"state": "waiting"})
+        self.age.set(depth.get("oldest_age_s", 0.0))
+
+
+def translation_backends(cfg: EventConfig) -> list[str]:
+    """The concrete backends the event's pairs need (loaded when a translator starts)."""
+    routes = cfg.translation.routing
+    names = {concrete(routes.kind_for(s.language, t), s.language, t)
+             for s in cfg.streams for t in s.targets}
+    return sorted(n for n in names if n is not None)
+
+
+def translation_host_options(cfg: EventConfig, translator_id: str,
+                             redis_url: str) -> TranslationHostOptions:
+    t = cfg.translation
+    openai = vllm = None
+    if t.openai is not None:
+        o = t.openai
+        openai = OpenAIChatOptions(url=o.url, model=o.model, api_key_env=o.api_key_env,
+                                   timeout_s=o.timeout_s, max_retries=o.max_retries,
+                                   batch_size=o.batch_size, concurrency=o.concurrency)
+    if t.vllm is not None:
+        v = t.vllm
+        vllm = VllmChatOptions(model=v.model, max_model_len=v.max_model_len,
+                               gpu_memory_utilization=v.gpu_memory_utilization,
+                               batch_size=v.batch_size)
+    return TranslationHostOptions(
+        translator_id=translator_id, redis_url=redis_url, routes=t.routing,
+        backends=BackendSettings(openai=openai, vllm=vllm, timeout_s=t.timeout_s),
+        glossary=tuple(GlossaryTerm(g.term, dict(g.translations), g.keep, g.case_sensitive)
+                       for g in cfg.glossary),
+        batch_size=t.batch_size, claim_idle_s=t.claim_idle_s, job_timeout_s=t.timeout_s,
+    )
 
 
 EngineOptions = EmbeddedEngineOptions | RealtimeWsOptions | VllmEngineOptions
@@ -176,12 +251,40 @@ class IngestActor(_HostActor):
         self.host = IngestHost(options)
 
 
+class TranslatorActor:
+    """Ray wrapper of a translation host: starts consuming jobs at once and loads
+    the backends the event needs before the first job arrives."""
+
+    def __init__(self, options: TranslationHostOptions, warm: list[str]) -> None:
+        self.host = TranslationHost(options, RayTranslationMetrics())
+        self._warm = warm
+        self._started = False
+
+    async def start(self) -> None:
+        if not self._started:
+            await self.host.warm(self._warm)
+            await self.host.start()
+            self._started = True
+
+    async def health(self) -> dict[str, Any]:
+        await self.start()
+        return dict(await self.host.health())
+
+    async def stats(self) -> dict[str, float]:
+        return self.host.stats()
+
+    async def stop(self) -> None:
+        if self._started:
+            await self.host.stop()
+
+
 @dataclass
 class EventRuntime:
     cfg: EventConfig
     redis_url: str = ""
     asr: dict[str, Any] = field(default_factory=dict)
     ingest: dict[str, Any] = field(default_factory=dict)
+    translators: dict[str, Any] = field(default_factory=dict)
     router: Router | None = None
     unplaced: list[str] = field(default_factory=list)
     _redis_child: LocalRedisServer | None = None
@@ -230,15 +333,31 @@ class EventRuntime:
             self.ingest[actor_id] = ingest_cls.options(name=f"babelcast-{actor_id}").remote(
                 IngestHostOptions(actor_id=actor_id, redis_url=self.redis_url)
             )
+        await self.start_translators()
         self.router = Router(budget=e.streams_per_actor, actors=list(self.asr))
         await self.place_all()
+
+    async def start_translators(self) -> None:
+        """The translator pool, when any stream has targets; each actor restarts under
+        the same consumer name, so it re-reads its own pending jobs first."""
+        if not any(s.targets for s in self.cfg.streams):
+            return
+        warm = translation_backends(self.cfg)
+        gpus = 1 if "vllm" in warm else 0
+        cls = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=-1)(TranslatorActor)
+        for i in range(self.cfg.translation.actors):
+            tid = f"translator-{i}"
+            self.translators[tid] = cls.options(name=f"babelcast-{tid}").remote(
+                translation_host_options(self.cfg, tid, self.redis_url), warm)
+        for handle in self.translators.values():
+            handle.start.remote()
 
     async def place_all(self) -> None:
         assert self.router is not None
         self.unplaced = []
         ingest_ids = list(self.ingest)
         for n, s in enumerate(self.cfg.streams):
-            opts = stream_options(s)
+            opts = stream_options(s, self.cfg.translation)
             try:
                 actor = self.router.place(s.id)
             except PlacementError as exc:
@@ -271,7 +390,13 @@ class EventRuntime:
                 continue
             for sid in sorted(want - have):
                 log.warning("re-adding stream %s to %s", sid, actor_id)
-                await handle.add_stream.remote(stream_options(streams[sid]))
+                await handle.add_stream.remote(
+                    stream_options(streams[sid], self.cfg.translation))
+        for actor_id, handle in self.translators.items():
+            try:  # a restarted translator starts consuming again
+                await asyncio.wait_for(handle.start.remote(), timeout_s)
+            except (RayActorError, GetTimeoutError, TimeoutError) as exc:
+                problems.append(f"{actor_id}: {type(exc).__name__}")
         for actor_id, handle in self.ingest.items():
             want = {s for s, a in self._ingest_pins.items() if a == actor_id}
             try:
@@ -280,7 +405,8 @@ class EventRuntime:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 continue
             for sid in sorted(want - have):
-                await handle.add_stream.remote(stream_options(streams[sid]))
+                await handle.add_stream.remote(
+                    stream_options(streams[sid], self.cfg.translation))
         return problems
 
     async def supervise(self, every_s: float = 5.0) -> None:
@@ -290,14 +416,16 @@ class EventRuntime:
                 await self.reconcile()
 
     async def stop(self) -> None:
-        for handle in [*self.ingest.values(), *self.asr.values()]:
+        handles = [*self.ingest.values(), *self.asr.values(), *self.translators.values()]
+        for handle in handles:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(handle.stop.remote(), 10)
-        for handle in [*self.ingest.values(), *self.asr.values()]:
+        for handle in handles:
             with contextlib.suppress(Exception):
                 ray.kill(handle)
         self.asr.clear()
         self.ingest.clear()
+        self.translators.clear()
 
     def stop_services(self) -> None:
         if self._started_ray and ray.is_initialized():

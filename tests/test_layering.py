@@ -20,7 +20,10 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parent.parent
 FLOORS = ("workers", "translation", "orchestrator")
 
-TRANSLATION_MAY_IMPORT_FROM_WORKERS = ("workers.events", "workers.bus")
+# Line breaking is pure text shaping that translations need for their target language's
+# display lines; the rest of workers/captions (the segmenter) stays out of reach.
+TRANSLATION_MAY_IMPORT_FROM_WORKERS = ("workers.events", "workers.bus",
+                                       "workers.captions.linebreak")
 RAY_ALLOWED = ("orchestrator/runtime.py",)
 VLLM_ALLOWED = ("workers/engines/vllm*.py", "translation/backends/vllm*.py")
 
@@ -177,11 +180,12 @@ def test_workers_import_neither_translation_nor_orchestrator(imports: list[Impor
     assert not bad, report(bad, "workers/ (bottom floor) must not import upward")
 
 
-def test_translation_imports_only_workers_events_and_bus(imports: list[Import]) -> None:
+def test_translation_imports_only_workers_events_bus_and_linebreak(imports: list[Import]) -> None:
     bad = translation_disallowed_imports(imports)
     assert not bad, report(
         bad,
-        "translation/ may import from workers only workers.events and workers.bus, "
+        "translation/ may import from workers only workers.events, workers.bus and "
+        "workers.captions.linebreak, "
         "and nothing from orchestrator",
     )
 
@@ -233,6 +237,7 @@ def test_checker_allows_translation_only_events_and_bus_from_workers() -> None:
         "from workers.captions.segmenter import Segmenter\n"
         "from workers import asr\n"
         "from orchestrator import metrics\n"
+        "from workers.captions.linebreak import break_lines\n"
     )
     bad = translation_disallowed_imports(imports_in(source, "translation/host.py"))
     assert [i.line for i in bad] == [4, 5, 6]

@@ -24,7 +24,15 @@ from redis.asyncio import Redis
 from workers.bus import RedisBus
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
-from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions, TranscriptDelta
+from workers.events import (
+    SAMPLE_RATE,
+    AudioChunk,
+    AudioGap,
+    CaptionSegment,
+    StreamOptions,
+    TranscriptDelta,
+    TranslationJob,
+)
 from workers.sessions.manager import SessionManager, SessionPolicy
 from workers.telemetry import MetricsSink
 
@@ -71,6 +79,8 @@ class _StreamRunner:
         self.segmenter: Segmenter | None = None
         self.task: asyncio.Task[None] | None = None
         self.failures = 0
+        self._context: deque[str] = deque(maxlen=max(0, opts.context_sentences))
+        self._last_tail_job = 0.0
 
     @property
     def bus(self) -> RedisBus:
@@ -123,6 +133,34 @@ class _StreamRunner:
                 fields["last_final_latency_s"] = round(seg.emit_time - seg.audio_end_wall, 3)
                 await self.bus.incr_status(self.opts.stream_id, "finals")
             await self.bus.set_status(self.opts.stream_id, **fields)
+            await self._enqueue_translation(seg)
+
+    async def _enqueue_translation(self, seg: CaptionSegment) -> None:
+        """One job per final sentence (all targets at once), with the stream's previous
+        finals as context; the open segment only when the live-tail option asks."""
+        if not self.opts.targets or not seg.text:
+            return
+        if not seg.is_final:
+            every = self.opts.partials_every_s
+            if every is None or seg.emit_time - self._last_tail_job < every:
+                return
+            self._last_tail_job = seg.emit_time
+        job = TranslationJob(
+            stream=seg.stream, segment_id=seg.segment_id, seq=seg.seq, text=seg.text,
+            source_lang=self.opts.language, targets=self.opts.targets,
+            context=tuple(self._context), audio_start_s=seg.audio_start_s,
+            audio_end_s=seg.audio_end_s, audio_end_wall=seg.audio_end_wall,
+            source_emit_time=seg.emit_time, is_final=seg.is_final,
+        )
+        try:
+            await self.bus.enqueue_job(job)
+        except Exception as exc:  # the caption is out; a lost job is counted, not fatal
+            log.warning("stream %s: cannot enqueue translation job: %s", self.opts.stream_id,
+                        type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await self.bus.incr_status(self.opts.stream_id, "mt_enqueue_errors")
+        if seg.is_final:
+            self._context.append(seg.text)
 
     async def _consume(self) -> None:
         stream = self.opts.stream_id

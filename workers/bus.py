@@ -6,6 +6,10 @@ Keys
                               "everything after seq N" is one XRANGE; capped.
 - `captions:{stream}:{lang}`  pub/sub channel of the same name, for live fan-out.
 - `status:{stream}`           Hash with the stream's current state and counters.
+- `mt:jobs`                   Stream of translation jobs, read through the consumer
+                              group `translators` (see `translation.jobs`).
+- `mt:done:{stream}:{lang}:{segment_id}`  Seq of the published final translation of a
+                              segment (expires), so a re-claimed job publishes nothing twice.
 
 The bus takes an injected `redis.asyncio.Redis` client and never creates one.
 A message it cannot decode is skipped and counted, never fatal.
@@ -22,13 +26,16 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.events import AudioChunk, AudioGap, CaptionSegment
+from workers.events import AudioChunk, AudioGap, CaptionSegment, TranslationJob
 
 log = logging.getLogger(__name__)
 
 AUDIO_CHUNK_S = 0.1
 AUDIO_MAXLEN = int(60 / AUDIO_CHUNK_S)
 CAPTIONS_MAXLEN = 20_000
+JOBS_KEY = "mt:jobs"
+JOBS_MAXLEN = 100_000
+DONE_TTL_S = 6 * 3600
 
 
 def audio_key(stream: str) -> str:
@@ -47,6 +54,10 @@ def actor_key(actor_id: str) -> str:
     return f"actor:{actor_id}"
 
 
+def done_key(stream: str, lang: str, segment_id: int) -> str:
+    return f"mt:done:{stream}:{lang}:{segment_id}"
+
+
 def caption_to_json(seg: CaptionSegment) -> str:
     data: dict[str, Any] = {"type": "caption", **asdict(seg)}
     data["lines"] = list(seg.lines)
@@ -58,6 +69,44 @@ def caption_from_json(raw: str | bytes) -> CaptionSegment:
     data.pop("type", None)
     data["lines"] = tuple(data["lines"])
     return CaptionSegment(**data)
+
+
+def job_to_json(job: TranslationJob) -> str:
+    data: dict[str, Any] = asdict(job)
+    data["targets"] = list(job.targets)
+    data["context"] = list(job.context)
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def job_from_json(raw: str | bytes) -> TranslationJob:
+    """Raises ValueError (or KeyError/TypeError) on a malformed job."""
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("a job must be a JSON object")
+    data["targets"] = tuple(str(t) for t in data["targets"])
+    data["context"] = tuple(str(c) for c in data.get("context", ()))
+    job = TranslationJob(**data)
+    if not isinstance(job.text, str) or not isinstance(job.segment_id, int):
+        raise ValueError("job text must be a string and segment_id an integer")
+    return job
+
+
+# Publishes one translation atomically: its seq is the next one on (stream, lang)
+# whoever publishes (several translators may write the same language), and a final
+# for a segment that already has one is not published again (a re-claimed job).
+# A late non-final for a segment whose final is out is dropped too: it would jump back.
+# KEYS: captions key, done key. ARGV: JSON after the seq, maxlen, done ttl, is_final.
+_PUBLISH_TRANSLATION = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local seq = 1
+if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end
+local payload = '{"seq":' .. seq .. ARGV[1]
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], seq .. '-0', 'd', payload)
+redis.call('PUBLISH', KEYS[1], payload)
+if ARGV[4] == '1' then redis.call('SET', KEYS[2], seq, 'EX', ARGV[3]) end
+return seq
+"""
 
 
 AudioItem = AudioChunk | AudioGap
@@ -164,6 +213,29 @@ class RedisBus:
                       approximate=True)
             pipe.publish(key, payload)
             await pipe.execute()
+
+    async def publish_translation(self, seg: CaptionSegment) -> int:
+        """Publish a translated caption under the next seq of its (stream, lang).
+
+        `seg.seq` is ignored. Returns the seq given, or 0 when nothing was published
+        because the segment's final translation is already out.
+        """
+        data: dict[str, Any] = {"type": "caption", **asdict(seg)}
+        data.pop("seq")
+        data["lines"] = list(seg.lines)
+        tail = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        seq = await self.redis.eval(
+            _PUBLISH_TRANSLATION, 2, captions_key(seg.stream, seg.lang),
+            done_key(seg.stream, seg.lang, seg.segment_id),
+            "," + tail[1:], CAPTIONS_MAXLEN, DONE_TTL_S, "1" if seg.is_final else "0",
+        )
+        return int(seq)
+
+    # ---- translation jobs ----------------------------------------------------
+    async def enqueue_job(self, job: TranslationJob) -> str:
+        entry_id = await self.redis.xadd(JOBS_KEY, {"d": job_to_json(job)},
+                                         maxlen=JOBS_MAXLEN, approximate=True)
+        return _s(entry_id)
 
     async def last_caption(self, stream: str, lang: str) -> CaptionSegment | None:
         entries = await self.redis.xrevrange(captions_key(stream, lang), count=1)

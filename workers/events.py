@@ -105,6 +105,34 @@ class CaptionSegment:
     audio_end_wall: float
     emit_time: float
     error: str | None = None
+    source_lang: str | None = None
+    """Set on translations: the language of the caption this one translates. A
+    translation carries the `segment_id` of its source segment and its own `seq`."""
+
+
+@dataclass(frozen=True, slots=True)
+class TranslationJob:
+    """One finished source sentence to translate into every target language.
+
+    Enqueued by the ASR side on `mt:jobs` when a segment turns final. `context` is
+    the stream's previous final sentences (oldest first), for translators that use
+    context. `source_emit_time` is when the source final was published, so the
+    translation's lag can be measured. `is_final` is False for an optional
+    live-tail job, whose translation is published as a non-final caption.
+    """
+
+    stream: str
+    segment_id: int
+    seq: int
+    text: str
+    source_lang: str
+    targets: tuple[str, ...]
+    context: tuple[str, ...]
+    audio_start_s: float
+    audio_end_s: float
+    audio_end_wall: float
+    source_emit_time: float
+    is_final: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +149,10 @@ class StreamOptions:
     language: str = "auto"
     targets: tuple[str, ...] = ()
     loop: bool = False
+    context_sentences: int = 3
+    """How many previous final sentences travel with a translation job."""
+    partials_every_s: float | None = None
+    """Also translate the open segment (as non-final) at most this often; None: finals only."""
 
     @property
     def caption_lang(self) -> str:
