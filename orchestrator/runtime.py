@@ -115,7 +115,7 @@ class RayTranslationMetrics:
 
         self.lag = rm.Histogram(
             "babelcast_translation_lag_seconds",
-            "Source final published → its translation published",
+            "Source final published to its translation published (seconds)",
             boundaries=[0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0],
             tag_keys=("lang", "backend"))
         self.translations = rm.Counter("babelcast_translations_total",

@@ -6,6 +6,7 @@ One event runs for the whole module (starting Ray and loading the model costs
 - `talk` plays the five LibriVox utterances once, from a file;
 - `broken` points at a port where nothing listens;
 - `pushed` takes PCM16 frames over the push WebSocket.
+`talk` is also translated into Portuguese (Bergamot) and Spanish (Apertium).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ event: pipeline test
 redis: {{url: "{redis_server.url}"}}
 engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 3}}
 streams:
-  - {{id: talk, source: "{talk}", language: en}}
+  - {{id: talk, source: "{talk}", language: en, targets: [pt, es]}}
   - {{id: broken, source: "http://127.0.0.1:{dead}/live.mp3", language: en}}
   - {{id: pushed, source: push, language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
@@ -150,6 +151,38 @@ def test_seq_is_contiguous_and_finals_are_never_revised(
             assert len(line) <= 42
         assert len(m["lines"]) <= 2
     assert len(final_ids) >= 5
+
+
+_STOPWORDS = {"pt": {"o", "a", "de", "que", "não", "um", "uma", "ele", "para", "e"},
+              "es": {"el", "la", "de", "que", "no", "un", "una", "él", "para", "y"}}
+
+
+def test_every_final_reaches_the_pt_and_es_subscribers_once(
+    event: Event, talk_messages: list[dict[str, Any]]
+) -> None:
+    source = {m["segment_id"]: m for m in talk_messages if m["is_final"] and m["text"]}
+    assert len(source) >= 4
+
+    async def read(lang: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        url = f"{event.ws}/v1/streams/talk/captions?lang={lang}&since=0"
+        async with websockets.connect(url) as ws:
+            while {m["segment_id"] for m in out} < source.keys():
+                out.append(json.loads(await asyncio.wait_for(ws.recv(), RECV_TIMEOUT_S)))
+        return out
+
+    for lang in ("pt", "es"):
+        got = asyncio.run(read(lang))
+        finals = [m for m in got if m["is_final"]]
+        assert sorted(m["segment_id"] for m in finals) == sorted(source), f"{lang}: once each"
+        for m in finals:
+            src = source[m["segment_id"]]
+            assert m["lang"] == lang and m["source_lang"] == "en" and m["error"] is None
+            assert m["text"] and m["text"] != src["text"]
+            assert m["audio_end_s"] == src["audio_end_s"]
+            assert m["emit_time"] >= src["emit_time"]
+        words = " ".join(m["text"].lower() for m in finals).split()
+        assert sum(w in _STOPWORDS[lang] for w in words) >= len(words) / 10, f"{lang}: {lang}?"
 
 
 def test_broken_source_is_reported_and_does_not_disturb_others(
@@ -258,6 +291,16 @@ def test_tail_prints_captions_as_a_client(
     got = [json.loads(line) for line in result.stdout.splitlines()]
     want = [m for m in talk_messages if m["is_final"]][:3]
     assert [(m["seq"], m["text"]) for m in got] == [(m["seq"], m["text"]) for m in want]
+    # Translations read the same way (the operator's `babelcast tail STREAM --lang pt`).
+    result = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "tail", "talk", "--url", event.base,
+         "--lang", "pt", "--since", "0", "--finals", "--limit", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line[:10] for line in lines] == ["[     1] ■", "[     2] ■"]
+    assert all(len(line) > 12 and "not translated" not in line for line in lines)
 
 
 def test_realtime_ws_engine_captions_speech_through_babelcasts_own_endpoint(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from translation.backends.base import BackendError, SentenceEngine
@@ -63,18 +64,22 @@ class ApertiumTranslator(SentenceEngine):
         return lines
 
     async def _run(self, mode: str, lines: list[str]) -> list[str]:
-        proc = await asyncio.create_subprocess_exec(
-            "apertium", "-u", mode,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={**os.environ, "LC_ALL": "C.UTF-8"},
-        )
-        data = ("\n".join(lines) + "\n").encode()
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(data), self.timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise BackendError(f"apertium {mode} timed out after {self.timeout_s} s") from None
+        # The input goes through a file, not stdin: the apertium script opens /dev/stdin,
+        # which fails when stdin is a socket (as event loops such as Ray's give a child).
+        with tempfile.NamedTemporaryFile("wb", prefix="babelcast-mt-", suffix=".txt") as f:
+            f.write(("\n".join(lines) + "\n").encode())
+            f.flush()
+            proc = await asyncio.create_subprocess_exec(
+                "apertium", "-u", mode, f.name,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env={**os.environ, "LC_ALL": "C.UTF-8"},
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise BackendError(f"apertium {mode} timed out after {self.timeout_s} s") from None
         if proc.returncode != 0:
             raise BackendError(f"apertium {mode} exited {proc.returncode}: "
                                f"{err.decode(errors='replace').strip()[:200]}")
