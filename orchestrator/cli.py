@@ -3,6 +3,7 @@
     babelcast validate FILE          exit 0, or 2 with file:line: key: message lines
     babelcast run FILE [--duration S] [--plain]
     babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
+    babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--redis URL]
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
                         print(json.dumps(msg, ensure_ascii=False), flush=True)
                     else:
                         mark = "■" if msg["is_final"] else "…"
-                        print(f"[{msg['seq']:>6}] {mark} {msg['text']}", flush=True)
+                        text = msg["text"]
+                        if msg.get("error"):
+                            text = f"(not translated: {msg['error']})"
+                        print(f"[{msg['seq']:>6}] {mark} {text}", flush=True)
                     shown += 1
                     if limit is not None and shown >= limit:
                         return 0
@@ -92,6 +96,37 @@ def cmd_tail(args: argparse.Namespace) -> int:
             _tail(args.url, args.stream, args.lang, args.since, args.finals, args.json,
                   args.limit)
         )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from orchestrator.outputs.archive import write_atomically
+    from orchestrator.outputs.export import FORMATS, ExportError, export_captions
+    from workers.captions.linebreak import get_profile
+
+    out = None if args.output in (None, "-") else Path(args.output)
+    fmt = args.format
+    if fmt is None:
+        suffix = out.suffix.lstrip(".").lower() if out else ""
+        fmt = suffix if suffix in FORMATS else "vtt"
+    try:
+        text, lang, finals = asyncio.run(export_captions(
+            args.redis, args.stream, args.lang, fmt, get_profile(args.profile)))
+    except ExportError as exc:
+        print(f"babelcast export: {exc}", file=sys.stderr)
+        return 2
+    if out is None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return 0
+    try:
+        write_atomically(out, text)
+    except OSError as exc:
+        print(f"babelcast export: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"{out}: {finals} captions of {args.stream} in {lang!r} ({fmt})", file=sys.stderr)
     return 0
 
 
@@ -117,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON message per line")
     t.add_argument("--limit", type=int, default=None, help="exit after N captions")
     t.set_defaults(func=cmd_tail)
+    e = sub.add_parser("export", help="write a stream's finals from Redis as WebVTT or SRT")
+    e.add_argument("stream")
+    e.add_argument("--lang", default=None,
+                   help="caption language (default: the only one the stream has)")
+    e.add_argument("--format", choices=("vtt", "srt"), default=None,
+                   help="default: from the -o file's extension, else vtt")
+    e.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
+    e.add_argument("--profile", choices=("web", "cea608", "youtube"), default="web",
+                   help="line-breaking profile of the cues")
+    e.add_argument("--redis", default=os.environ.get("BABELCAST_REDIS_URL",
+                                                     "redis://127.0.0.1:6379/0"),
+                   help="the event's Redis (default: $BABELCAST_REDIS_URL or local 6379)")
+    e.set_defaults(func=cmd_export)
     return p
 
 

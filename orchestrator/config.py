@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from orchestrator.outputs.config import OutputsConfig, outputs_problems
 from translation.backends import KINDS as TRANSLATION_KINDS
 from translation.backends import Routes, concrete, no_backend_message
 
@@ -404,12 +405,15 @@ class EventConfig(_Strict):
                                            description="translator pool and backend routes")
     glossary: list[GlossaryEntry] = Field(
         default_factory=list, description="terms with forced translations or kept as is")
+    outputs: OutputsConfig = Field(
+        default_factory=OutputsConfig,
+        description="caption outputs: archives, live HLS WebVTT, YouTube Live")
 
     @model_validator(mode="before")
     @classmethod
     def _empty_sections(cls, data: Any) -> Any:
         # `redis:` with nothing under it is YAML null; treat it as "all defaults".
-        sections = ("redis", "ray", "engine", "ingest", "gateway", "translation")
+        sections = ("redis", "ray", "engine", "ingest", "gateway", "translation", "outputs")
         if isinstance(data, dict):
             return {k: ({} if k in sections and v is None else v) for k, v in data.items()}
         return data
@@ -442,6 +446,8 @@ class EventConfig(_Strict):
                              f"{e.actors * e.streams_per_actor} (engine.actors {e.actors} × "
                              f"engine.streams_per_actor {e.streams_per_actor}); raise "
                              "engine.actors or engine.streams_per_actor", n))
+        problems += [(("outputs", *loc), msg, v)
+                     for loc, msg, v in outputs_problems(self.outputs, self.streams)]
         _raise_at("EventConfig", problems)
         return self
 

@@ -28,11 +28,14 @@ class LiveView:
         self.console = Console()
 
     def urls(self) -> list[str]:
-        lines = [f"gateway   {self.base}/v1/streams", f"metrics   {self.base}/metrics"]
+        lines = [f"overlays  {self.base}/   (add one to OBS as a Browser source)",
+                 f"gateway   {self.base}/v1/streams", f"metrics   {self.base}/metrics"]
         for s in self.cfg.streams:
             lang = s.language if s.language != "auto" else "src"
-            lines.append(f"{s.id:<9} ws{self.base[4:]}/v1/streams/{s.id}/captions?lang={lang}"
-                         f"   (babelcast tail {s.id} --url {self.base})")
+            lines.append(f"{s.id:<9} {self.base}/overlay/{s.id}?lang={lang}")
+            for target in s.targets:
+                lines.append(f"{'':<9} {self.base}/overlay/{s.id}?lang={target}"
+                             f"   (babelcast tail {s.id} --lang {target} --url {self.base})")
         return lines
 
     async def rows(self) -> list[tuple[str, str, str, str, str, str, str]]:

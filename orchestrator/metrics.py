@@ -41,3 +41,20 @@ STREAMS_PLACED = Gauge(
     "babelcast_streams_placed", "Streams pinned to each ASR actor", ["actor"]
 )
 STREAMS_UNPLACED = Gauge("babelcast_streams_unplaced", "Streams no ASR actor could take")
+ARCHIVE_CUES = Counter(
+    "babelcast_archive_cues_total", "Cues appended to WebVTT/SRT archives", ["stream", "lang"]
+)
+YOUTUBE_POSTS = Counter(
+    "babelcast_youtube_posts_total",
+    "YouTube caption POSTs by result (ok, retried, rejected, expired; dropped: finals "
+    "dropped from a full backlog)",
+    ["stream", "lang", "result"],
+)
+YOUTUBE_BACKLOG = Gauge(
+    "babelcast_youtube_backlog_finals", "Finals waiting to be posted to YouTube",
+    ["stream", "lang"],
+)
+OUTPUT_ERRORS = Counter(
+    "babelcast_output_errors_total", "Failures of the caption outputs (archive, youtube, "
+    "runner)", ["output"]
+)

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from orchestrator.config import EventConfig
 from orchestrator.gateway.app import GatewayStream, create_app
 from orchestrator.live import LiveView
+from orchestrator.outputs.config import hls_options, start_outputs
 from orchestrator.redis_server import free_port
 from orchestrator.runtime import EventRuntime, stream_options
 
@@ -46,7 +47,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def gateway_streams(cfg: EventConfig) -> list[GatewayStream]:
-    return [GatewayStream(stream_options(s), s.source_kind) for s in cfg.streams]
+    return [GatewayStream(stream_options(s, cfg.translation), s.source_kind)
+            for s in cfg.streams]
 
 
 async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
@@ -67,7 +69,8 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         port = cfg.gateway.port or free_port(cfg.gateway.host)
-        app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,))
+        app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,),
+                         hls=hls_options(cfg.outputs))
         server = _EmbeddedServer(uvicorn.Config(app, host=cfg.gateway.host, port=port,
                                                 log_level="warning", lifespan="on"))
         gateway = asyncio.create_task(_serve(server), name="gateway")
@@ -79,6 +82,8 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
             await asyncio.sleep(0.05)
         base = f"http://{cfg.gateway.host}:{port}"
         await runtime.start_actors()
+        outputs = await start_outputs(
+            redis_url, [stream_options(s, cfg.translation) for s in cfg.streams], cfg.outputs)
         supervisor = asyncio.create_task(runtime.supervise(), name="supervisor")
         redis = Redis.from_url(redis_url)
         view = LiveView(cfg, redis, base, plain=plain, unplaced=runtime.unplaced)
@@ -93,6 +98,7 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await runtime.stop()
+        await outputs.aclose()  # archives closed, YouTube given a moment to drain
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(gateway, 10)

@@ -6,7 +6,18 @@ import random
 
 import pytest
 
-from workers.captions.linebreak import CEA608, WEB, LineProfile, break_lines, wrap
+from workers.captions.linebreak import (
+    CEA608,
+    PROFILES,
+    WEB,
+    YOUTUBE,
+    LineProfile,
+    break_lines,
+    get_profile,
+    pages,
+    rules,
+    wrap,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -177,3 +188,70 @@ def test_over_long_word_between_short_words_is_cut_and_its_neighbours_kept() -> 
 def test_cea608_profile_is_32_by_2_and_web_is_42_by_2() -> None:
     assert (WEB.width, WEB.max_lines) == (42, 2)
     assert (CEA608.width, CEA608.max_lines) == (32, 2)
+
+
+# --- profiles per output, and rules added for the outputs ------------------------------
+
+
+def test_each_output_has_a_profile_found_by_name() -> None:
+    assert get_profile("web") is WEB and get_profile("cea608") is CEA608
+    assert get_profile("youtube") is YOUTUBE
+    assert (YOUTUBE.width, YOUTUBE.max_lines) == (32, 2)
+    assert WEB.max_cps == 17.0, "the reading-speed hint of the web profile"
+    assert set(PROFILES) == {"web", "cea608", "youtube"}
+
+
+def test_unknown_profile_name_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="unknown line-breaking profile 'tv'; known: "
+                                         "cea608, web, youtube"):
+        get_profile("tv")
+
+
+def test_subject_pronoun_stays_with_its_verb() -> None:
+    # Greedy filling ends the first line with "we" (39 characters).
+    assert wrap("After the keynote on Tuesday morning we went out for lunch", 42) == [
+        "After the keynote on Tuesday morning",
+        "we went out for lunch",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("Pourquoi personne ne nous a prévenus hier ?",
+                     ["Pourquoi personne ne nous a prévenus", "hier ?"], id="question-mark"),
+        pytest.param("Le directeur a simplement répondu : « Non merci »",
+                     ["Le directeur a simplement répondu :", "« Non merci »"], id="guillemets"),
+    ],
+)
+def test_french_spaced_punctuation_never_starts_or_ends_a_line_alone(
+    text: str, expected: list[str]
+) -> None:
+    lines = wrap(text, 42, "fr")
+    assert lines == expected
+    assert not any(line.startswith(("?", "!", ":", ";", "»")) for line in lines)
+    assert not any(line.endswith("«") for line in lines)
+
+
+def test_spaced_punctuation_is_not_glued_when_the_pair_would_not_fit() -> None:
+    word = "x" * 32
+    assert wrap(f"{word} ?", 32, "fr") == [word, "?"]
+
+
+@pytest.mark.parametrize("profile", [WEB, CEA608, YOUTUBE], ids=lambda p: p.name)
+def test_pages_show_all_of_a_text_in_screens_of_the_profile(profile: LineProfile) -> None:
+    rng = random.Random(f"pages-{profile.name}")
+    for _ in range(200):
+        text = random_text(rng, rng.randint(0, 80))
+        screens = pages(text, profile, "fr")
+        assert all(1 <= len(s) <= profile.max_lines for s in screens)
+        assert [line for s in screens for line in s] == wrap(text, profile.width, "fr")
+        assert " ".join(line for s in screens for line in s).split() == text.split()
+
+
+def test_rules_for_the_browser_are_the_rules_used_here() -> None:
+    data = rules()
+    weak = data["weak"]
+    assert isinstance(weak, dict)
+    assert "the" in weak["en"] and "la" in weak["fr"]
+    assert data["glueBack"] and data["glueForward"] == "«"

@@ -5,7 +5,13 @@ subscribe to live pub/sub first, then replay the Redis Stream after `since`,
 then forward live messages whose seq is newer than the last one sent. Because
 the subscription is confirmed before the replay is read, nothing published in
 between is missed; because every message carries its seq, nothing is sent
-twice. Without `since` a client starts at the live edge.
+twice. Without `since` a client starts at the live edge; a `since` beyond the
+newest publication (the stream's captions started over) gets a `since_ahead`
+error, so the client drops its position and reconnects without one.
+
+Also served here: `/` (the streams, with overlay links), the overlay page
+`/overlay/{id}?lang=xx` with its static files under `/static/`, and live HLS
+WebVTT playlists `/hls/{id}/{lang}.m3u8` with segments `/hls/{id}/{lang}/{n}.vtt`.
 """
 
 from __future__ import annotations
@@ -19,16 +25,27 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
-from fastapi import FastAPI, HTTPException, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi import FastAPI, HTTPException, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.gateway.hub import CaptionHub, ClientQueue
+from orchestrator.gateway.pages import STATIC_DIR, index_html, linebreak_script
 from orchestrator.gateway.realtime import RealtimeConnection
 from orchestrator.gateway.realtime_protocol import error_event
+from orchestrator.outputs.hls import HlsOptions, HlsService, HlsTrack
 from workers.bus import RedisBus, caption_to_json, captions_key
 from workers.events import CaptionSegment, StreamOptions
 from workers.ingest import AudioClock, write_audio
@@ -49,9 +66,12 @@ def _error(code: str, message: str) -> str:
 
 
 def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "",
-               engine_profiles: tuple[str, ...] = ()) -> FastAPI:
+               engine_profiles: tuple[str, ...] = (), *,
+               hls: HlsOptions | None = None) -> FastAPI:
     """`engine_profiles`: names `/v1/realtime` clients may ask for in session.update;
-    with one profile (or none named) any model name selects it."""
+    with one profile (or none named) any model name selects it. `hls`: the live HLS
+    WebVTT playlists (default options when None; `enabled=False` turns them off)."""
+    hls_options = hls or HlsOptions()
     by_id = {s.options.stream_id: s for s in streams}
     push_ids = [s.options.stream_id for s in streams if s.source_kind == "push"]
     state: dict[str, Any] = {}
@@ -61,7 +81,9 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         redis = Redis.from_url(redis_url)
         hub = CaptionHub(redis)
         await hub.start()
-        state.update(redis=redis, bus=RedisBus(redis), hub=hub, clocks={})
+        bus = RedisBus(redis)
+        state.update(redis=redis, bus=bus, hub=hub, clocks={},
+                     hls=HlsService(bus, hls_options))
         try:
             yield
         finally:
@@ -115,6 +137,81 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             raise HTTPException(404, f"no stream {stream_id!r} in this event")
         return await describe(gs)
 
+    def languages(gs: GatewayStream) -> list[str]:
+        return [gs.options.caption_lang, *gs.options.targets]
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(index_html(event_name, [s.options for s in by_id.values()],
+                                       hls=hls_options.enabled))
+
+    @app.get("/overlay/{stream_id}", response_model=None)
+    async def overlay(stream_id: str, request: Request) -> Response:
+        gs = by_id.get(stream_id)
+        if gs is None:
+            return PlainTextResponse(f"no stream {stream_id!r} in this event; see / for the "
+                                     "streams", status_code=404)
+        query = dict(request.query_params)
+        if not query.get("lang"):
+            # The page needs a language; the stream's own is the natural default.
+            query["lang"] = gs.options.caption_lang
+            return RedirectResponse(f"/overlay/{stream_id}?{urlencode(query)}",
+                                    status_code=307)
+        langs = languages(gs)
+        for name in ("lang", "lang2"):
+            if query.get(name) and query[name] not in langs:
+                return PlainTextResponse(
+                    f"stream {stream_id!r} has captions in {', '.join(langs)}; "
+                    f"{name}={query[name]!r} is not one of them", status_code=404)
+        return FileResponse(STATIC_DIR / "overlay.html", media_type="text/html",
+                            headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/linebreak.js")
+    async def linebreak_js() -> Response:
+        return Response(linebreak_script(), media_type="text/javascript",
+                        headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    hls_headers = {"Access-Control-Allow-Origin": "*"}
+
+    def hls_track_or_404(stream_id: str, lang: str) -> None:
+        gs = by_id.get(stream_id)
+        if not hls_options.enabled:
+            raise HTTPException(404, "HLS output is turned off (outputs.hls.enabled)")
+        if gs is None:
+            raise HTTPException(404, f"no stream {stream_id!r} in this event")
+        if lang not in languages(gs):
+            raise HTTPException(404, f"stream {stream_id!r} has captions in "
+                                     f"{', '.join(languages(gs))}, not {lang!r}")
+
+    async def hls_track(stream_id: str, lang: str) -> HlsTrack:
+        hls_track_or_404(stream_id, lang)
+        service: HlsService = state["hls"]
+        try:
+            return await service.track(stream_id, lang)
+        except Exception as exc:
+            metrics.REDIS_ERRORS.labels(component="gateway").inc()
+            log.warning("HLS %s/%s: caption read failed: %s", stream_id, lang,
+                        type(exc).__name__)
+            raise HTTPException(503, "captions are unavailable; retry") from None
+
+    @app.get("/hls/{stream_id}/{lang}.m3u8")
+    async def hls_playlist(stream_id: str, lang: str) -> Response:
+        track = await hls_track(stream_id, lang)
+        body = track.playlist(lambda n: f"{lang}/{n}.vtt")
+        return Response(body, media_type="application/vnd.apple.mpegurl",
+                        headers={**hls_headers, "Cache-Control": "no-cache"})
+
+    @app.get("/hls/{stream_id}/{lang}/{n}.vtt")
+    async def hls_segment(stream_id: str, lang: str, n: int) -> Response:
+        body = (await hls_track(stream_id, lang)).segment(n)
+        if body is None:
+            raise HTTPException(404, f"segment {n} is not in the playlist's window")
+        return Response(body, media_type="text/vtt; charset=utf-8",
+                        headers={**hls_headers,
+                                 "Cache-Control": f"max-age={int(hls_options.segment_s)}"})
+
     @app.websocket("/v1/streams/{stream_id}/captions")
     async def captions_ws(ws: WebSocket, stream_id: str) -> None:
         await ws.accept()
@@ -136,6 +233,15 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             await ws.send_text(_error("invalid_since", "since must be an integer seq"))
             await ws.close(code=4400)
             return
+        if since is not None:
+            latest = await bus().last_caption(stream_id, lang)
+            newest = latest.seq if latest else 0
+            if since > newest:
+                await ws.send_text(_error(
+                    "since_ahead", f"since={since} is past the newest caption ({newest}): the "
+                    "stream's captions started over; reconnect without since"))
+                await ws.close(code=4409)
+                return
         await _serve_captions(ws, stream_id, lang, since)
 
     async def _serve_captions(ws: WebSocket, stream_id: str, lang: str, since: int | None) -> None:

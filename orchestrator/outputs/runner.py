@@ -1,0 +1,215 @@
+"""Feeds the caption outputs (archives, YouTube) from the caption Streams in Redis.
+
+One task reads every (stream, lang) Stream with one blocking XREAD: reading the
+Streams, not pub/sub, means a restarted runner resumes where each output left
+off and nothing published in between is missed. Each sink has its own cursor
+(an archive resumes after the last seq in its file, a YouTube sink at the live
+edge), and a failing sink is logged and counted without stopping the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from redis.asyncio import Redis
+
+from orchestrator import metrics
+from orchestrator.outputs.archive import ArchiveError, ArchiveWriter
+from orchestrator.outputs.youtube import YoutubeCaptionSink, YoutubeOptions
+from workers.bus import RedisBus, caption_from_json, captions_key
+from workers.captions.linebreak import WEB, LineProfile
+from workers.events import CaptionSegment
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 200
+
+
+def youtube_state_key(stream: str, lang: str) -> str:
+    return f"outputs:youtube:{stream}:{lang}"
+
+
+@dataclass(frozen=True, slots=True)
+class OutputsOptions:
+    """What the runner runs, as plain options (`outputs.config` builds them)."""
+
+    archive_dir: Path | None = None
+    archive_profile: LineProfile = field(default=WEB)
+    youtube: tuple[YoutubeOptions, ...] = ()
+    block_ms: int = 1000
+
+
+class Sink(Protocol):
+    name: str
+    after_seq: int
+
+    async def handle(self, seg: CaptionSegment) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ArchiveSink:
+    def __init__(self, writer: ArchiveWriter) -> None:
+        self.writer = writer
+        self.name = f"archive {writer.stream}/{writer.lang}"
+        self.after_seq = 0
+        self._cues = metrics.ARCHIVE_CUES.labels(stream=writer.stream, lang=writer.lang)
+
+    async def open(self, latest_seq: int) -> None:
+        held = await asyncio.to_thread(self.writer.open)
+        if held > latest_seq:
+            # Redis holds fewer captions than the file: a new event (or a flushed Redis)
+            # reuses this folder. Keep the old files and start new ones.
+            log.warning("%s: the files hold seq %d but Redis only %d; keeping them as "
+                        "%s.until-*.vtt/srt and starting new ones", self.name, held,
+                        latest_seq, self.writer.lang)
+            await asyncio.to_thread(self.writer.rotate)
+            held = 0
+        self.after_seq = held
+
+    async def handle(self, seg: CaptionSegment) -> None:
+        if not seg.is_final:
+            return  # interims are most publications; no thread hop for them
+        n = await asyncio.to_thread(self.writer.write, seg)
+        if n:
+            self._cues.inc(n)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.writer.close)
+
+
+class YoutubeSinkAdapter:
+    def __init__(self, sink: YoutubeCaptionSink, after_seq: int) -> None:
+        self.sink = sink
+        self.name = sink.name
+        self.after_seq = after_seq
+
+    async def handle(self, seg: CaptionSegment) -> None:
+        self.sink.offer(seg)
+
+    async def aclose(self) -> None:
+        # A moment for the last finals of the event to reach YouTube.
+        await self.sink.aclose(drain_s=2.0)
+
+
+class OutputsRunner:
+    def __init__(self, redis: Redis, tracks: Sequence[tuple[str, str]],
+                 options: OutputsOptions, *, own_redis: bool = False) -> None:
+        self.redis = redis
+        self._own_redis = own_redis
+        self.bus = RedisBus(redis)
+        self.tracks = list(dict.fromkeys(tracks))
+        self.options = options
+        self.sinks: dict[tuple[str, str], list[Sink]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.undecodable = 0
+
+    async def start(self) -> None:
+        yt = {(o.stream, o.lang): o for o in self.options.youtube}
+        for stream, lang in self.tracks:
+            latest = await self.bus.last_caption(stream, lang)
+            latest_seq = latest.seq if latest else 0
+            sinks: list[Sink] = []
+            if self.options.archive_dir is not None:
+                archive = ArchiveSink(ArchiveWriter(self.options.archive_dir, stream, lang,
+                                                    self.options.archive_profile))
+                try:
+                    await archive.open(latest_seq)
+                except (ArchiveError, OSError) as exc:
+                    metrics.OUTPUT_ERRORS.labels(output="archive").inc()
+                    log.error("%s: not archiving: %s", archive.name, exc)
+                else:
+                    sinks.append(archive)
+            if (stream, lang) in yt:
+                sinks.append(await self._youtube(yt[(stream, lang)], latest_seq))
+            if sinks:
+                self.sinks[(stream, lang)] = sinks
+        if self.sinks:
+            self._task = asyncio.create_task(self._read(), name="outputs-runner")
+
+    async def _youtube(self, options: YoutubeOptions, latest_seq: int) -> YoutubeSinkAdapter:
+        key = youtube_state_key(options.stream, options.lang)
+        stored = await self.redis.hget(key, "seq")
+        redis = self.redis
+
+        async def remember(seq: int) -> None:
+            await redis.hset(key, "seq", str(seq))
+
+        sink = YoutubeCaptionSink(options, first_seq=int(stored or 0) + 1, on_posted=remember)
+        await sink.start()
+        # YouTube shows captions live only: a restarted sink starts at the live edge.
+        return YoutubeSinkAdapter(sink, after_seq=latest_seq)
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for sinks in self.sinks.values():
+            for sink in sinks:
+                try:
+                    await sink.aclose()
+                except Exception as exc:
+                    log.error("%s: close failed: %s", sink.name, type(exc).__name__)
+        self.sinks.clear()
+        if self._own_redis:
+            await self.redis.aclose()
+
+    async def _read(self) -> None:
+        cursors = {captions_key(s, lang): min(k.after_seq for k in sinks)
+                   for (s, lang), sinks in self.sinks.items()}
+        by_key = {captions_key(s, lang): sinks for (s, lang), sinks in self.sinks.items()}
+        backoff = 0.5
+        while True:
+            try:
+                resp: Any = await self.redis.xread(
+                    {k: f"{v}-0" for k, v in cursors.items()}, block=self.options.block_ms,
+                    count=READ_COUNT)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                metrics.OUTPUT_ERRORS.labels(output="runner").inc()
+                metrics.REDIS_ERRORS.labels(component="outputs").inc()
+                log.warning("outputs: Redis read failed (%s); retrying in %.1f s",
+                            type(exc).__name__, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = 0.5
+            for raw_key, entries in resp or []:
+                key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+                for entry_id, fields in entries:
+                    seq = int((entry_id.decode() if isinstance(entry_id, bytes)
+                               else str(entry_id)).split("-")[0])
+                    if seq > cursors[key] + 1:
+                        log.warning("outputs: %s jumped from seq %d to %d (captions trimmed "
+                                    "from Redis before they were read?)", key, cursors[key],
+                                    seq)
+                    cursors[key] = seq
+                    try:
+                        seg = caption_from_json(fields[b"d"])
+                    except (KeyError, ValueError, TypeError):
+                        self.undecodable += 1
+                        metrics.UNDECODABLE.labels(component="outputs").inc()
+                        continue
+                    await self._dispatch(by_key[key], seg)
+
+    async def _dispatch(self, sinks: list[Sink], seg: CaptionSegment) -> None:
+        for sink in sinks:
+            if seg.seq <= sink.after_seq:
+                continue
+            sink.after_seq = seg.seq
+            try:
+                await sink.handle(seg)
+            except Exception as exc:
+                metrics.OUTPUT_ERRORS.labels(output=sink.name.split()[0]).inc()
+                log.error("%s: caption seq %d not written: %s", sink.name, seg.seq,
+                          type(exc).__name__ if not isinstance(exc, OSError)
+                          else f"{exc.strerror} ({exc.filename})")

@@ -1,0 +1,77 @@
+"""Shared by the output tests: caption factories and the real gateway on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Generator
+from typing import Any
+
+import uvicorn
+
+from orchestrator.gateway.app import GatewayStream, create_app
+from orchestrator.redis_server import free_port
+from workers.events import CaptionSegment, StreamOptions
+
+START_TIMEOUT_S = 20.0
+
+
+def caption(seq: int, segment_id: int, text: str, start: float, end: float, *,
+            final: bool = True, stream: str = "hall", lang: str = "en",
+            error: str | None = None, wall: float | None = None) -> CaptionSegment:
+    now = time.time()
+    return CaptionSegment(
+        stream=stream, lang=lang, segment_id=segment_id, seq=seq, revision=0,
+        is_final=final, text=text, stable_prefix_len=len(text) if final else 0,
+        lines=(text,), audio_start_s=start, audio_end_s=end,
+        audio_end_wall=now if wall is None else wall, emit_time=now, error=error)
+
+
+def hall(targets: tuple[str, ...] = ("fr",)) -> GatewayStream:
+    return GatewayStream(StreamOptions(stream_id="hall", name="Main hall", source="push",
+                                       language="en", targets=targets), "push")
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn inside the test's loop, leaving Ctrl-C to pytest."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class Gateway:
+    def __init__(self, base: str, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+        self.base = base
+        self.server = server
+        self.task = task
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await asyncio.wait_for(self.task, 10)
+
+
+async def start_gateway(redis_url: str, streams: list[GatewayStream], *,
+                        port: int | None = None, **kwargs: Any) -> Gateway:
+    port = port or free_port()
+    app = create_app(redis_url, streams, "Test event", **kwargs)
+    server = _QuietServer(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                         log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if task.done() or time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway did not start on port {port}")
+        await asyncio.sleep(0.02)
+    return Gateway(f"http://127.0.0.1:{port}", server, task)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(redis_url: str, streams: list[GatewayStream],
+                          **kwargs: Any) -> AsyncIterator[Gateway]:
+    gateway = await start_gateway(redis_url, streams, **kwargs)
+    try:
+        yield gateway
+    finally:
+        await gateway.stop()
