@@ -14,8 +14,8 @@ starts, and measures what the clients receive:
   audio at the end of the caption's last word (`audio_end_wall`, stamped by ingest);
 - `finals_revised`: publications of a segment after its final (must be 0);
 - `rtf`: the engine's decode-thread busy seconds per second of stream audio (all streams);
-  `cpu_s_per_audio_s`: CPU seconds of the whole process tree (gateway, Ray, actors) per
-  second of stream audio.
+  `cpu_s_per_audio_s`: CPU seconds of the whole process tree (gateway, Ray, actors) and
+  its redis-server per second of stream audio.
 """
 
 from __future__ import annotations
@@ -23,10 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,51 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import emit  # noqa: E402
+from bench.system import babelcast_run, pct  # noqa: E402
 from tests.speech import (  # noqa: E402 - shared reference-speech helpers
     normalize,
     reference_text,
     write_reference_wav,
 )
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def _tree_cpu_s(root_pid: int, seen: dict[int, float]) -> float:
-    """CPU seconds of root_pid and its descendants; `seen` keeps the last value per pid
-    so processes that already exited still count."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    tree = {root_pid}
-    changed = True
-    while changed:
-        changed = False
-        for pid, ppid in parents.items():
-            if ppid in tree and pid not in tree:
-                tree.add(pid)
-                changed = True
-    for pid in tree:
-        if pid in cpu:
-            seen[pid] = cpu[pid]
-    return sum(seen.values())
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return round(values[lo] + (values[hi] - values[lo]) * (k - lo), 3)
 
 
 async def _client(base: str, stream: str, lang: str, out: list[tuple[float, dict[str, Any]]],
@@ -132,52 +90,22 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
     wav = write_reference_wav(tmp / "talk.wav", lead_in_s=3.0)
     with wave.open(str(wav)) as w:
         audio_s = w.getnframes() / w.getframerate()
-    from redis import Redis
-
-    from orchestrator.redis_server import LocalRedisServer, free_port
-
-    redis_server = LocalRedisServer()
-    redis = Redis.from_url(redis_server.start(), decode_responses=True)
-    port = free_port()
     ids = [f"room-{i}" for i in range(streams)]
     lines = [
         "event: bench e2e",
-        f"redis: {{url: \"{redis_server.url}\"}}",
         f"engine: {{kind: embedded, model: {model}, actors: 1, streams_per_actor: {streams}}}",
         "streams:",
         *[f'  - {{id: {s}, source: "{wav}", language: en}}' for s in ids],
-        f"gateway: {{host: 127.0.0.1, port: {port}}}",
     ]
-    cfg = tmp / "bench.yaml"
-    cfg.write_text("\n".join(lines) + "\n")
-    log = tmp / "run.log"
-    base = f"http://127.0.0.1:{port}"
-    with log.open("wb") as logf:
-        proc = subprocess.Popen(  # noqa: ASYNC220 - a long-lived child, not awaited
-            [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
-             "--duration", "600"],
-            stdout=logf, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-    cpu_seen: dict[int, float] = {}
-    try:
-        deadline = time.monotonic() + 120
-        async with httpx.AsyncClient() as http:
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"babelcast run did not start: {log.read_text()[-2000:]}")
-                try:
-                    if (await http.get(f"{base}/healthz", timeout=1)).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.3)
+    async with babelcast_run(lines, tmp) as server:
+        base, redis = server.base, server.redis
         received: dict[str, list[tuple[float, dict[str, Any]]]] = {s: [] for s in ids}
         done = asyncio.Event()
         clients = [asyncio.create_task(_client(base, s, "en", received[s], done)) for s in ids]
-        cpu_start = _tree_cpu_s(proc.pid, cpu_seen)
+        cpu_start = server.cpu_s()
         await _wait_ended(base, ids, audio_s + 120)
         await asyncio.sleep(4.0)  # the last pause closes the last caption
-        cpu_used = _tree_cpu_s(proc.pid, cpu_seen) - cpu_start
+        cpu_used = server.cpu_s() - cpu_start
         done.set()
         await asyncio.gather(*clients, return_exceptions=True)
         engine = {k: float(v) for k, v in redis.hgetall("actor:asr-0").items()
@@ -189,13 +117,6 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
                         "rollovers_engine_error", "rollovers_budget"):
                 session_counters[key] = session_counters.get(key, 0.0) + float(
                     status.get(key, 0))
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        redis_server.stop()
 
     partial_lat: list[float] = []
     final_lat: list[float] = []
@@ -226,10 +147,10 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
         "audio_s_per_stream": round(audio_s, 2),
         "wer": round(wer, 4),
         "wer_per_stream": [round(float(jiwer.wer(ref, h)), 4) for h in hyps],
-        "partial_latency_p50_s": _pct(partial_lat, 0.5),
-        "partial_latency_p95_s": _pct(partial_lat, 0.95),
-        "final_latency_p50_s": _pct(final_lat, 0.5),
-        "final_latency_p95_s": _pct(final_lat, 0.95),
+        "partial_latency_p50_s": pct(partial_lat, 0.5),
+        "partial_latency_p95_s": pct(partial_lat, 0.95),
+        "final_latency_p50_s": pct(final_lat, 0.5),
+        "final_latency_p95_s": pct(final_lat, 0.95),
         "final_latency_mean_s": round(statistics.fmean(final_lat), 3) if final_lat else None,
         "finals": len(final_lat),
         "partials": len(partial_lat),

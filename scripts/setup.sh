@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install everything Babelcast needs on a Debian 12 machine (as root, or with sudo):
-# Debian packages (redis-server, ffmpeg, python3-venv) and a virtualenv in .venv.
+# Debian packages (redis-server, ffmpeg, python3-venv, Apertium with its en-es and fr-es
+# pairs for the embedded translator, Chromium for the overlay's browser tests) and a
+# virtualenv in .venv.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +13,10 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
+command -v apertium >/dev/null 2>&1 || missing+=(apertium)
+[ -f /usr/share/apertium/modes/eng-spa.mode ] || missing+=(apertium-eng-spa)
+[ -f /usr/share/apertium/modes/fr-es.mode ] || missing+=(apertium-fr-es)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 if command -v python3 >/dev/null 2>&1; then
   python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
@@ -37,3 +43,12 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 echo "setup: installing Python packages (first run takes a few minutes)"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# bench.peer's peer, WhisperLive 0.10.0, unmodified. Its declared requirements pull
+# CUDA-only packages and PyAudio, so: torch's CPU build (pip takes torch==2.13.0 from
+# this machine's wheel folder), then whisper-live without its dependencies; everything
+# else its faster_whisper server imports is already a dependency of this project.
+if ! .venv/bin/python -c 'import whisper_live, torch' >/dev/null 2>&1; then
+  echo "setup: installing the benchmark peer (whisper-live 0.10.0 with CPU torch)"
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q --no-deps whisper-live==0.10.0
+fi
