@@ -415,7 +415,10 @@ class EventConfig(_Strict):
         # `redis:` with nothing under it is YAML null; treat it as "all defaults".
         sections = ("redis", "ray", "engine", "ingest", "gateway", "translation", "outputs")
         if isinstance(data, dict):
-            return {k: ({} if k in sections and v is None else v) for k, v in data.items()}
+            data = {k: ({} if k in sections and v is None else v) for k, v in data.items()}
+            # Validated (not defaulted) so its relative archive folder resolves against
+            # the event file, like every other path in it.
+            data.setdefault("outputs", {})
         return data
 
     @model_validator(mode="after")

@@ -97,6 +97,13 @@ def test_relative_source_resolves_against_yaml_folder_not_cwd(
     assert load_event(path).streams[0].resolved_source == str((tmp_path / "room-a.flac").resolve())
 
 
+def test_default_archive_folder_resolves_against_yaml_folder_not_cwd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, MINIMAL)  # no outputs section at all
+    monkeypatch.chdir("/")
+    assert load_event(path).outputs.archive.resolved_dir == (tmp_path / "archives").resolve()
+
+
 def test_push_source_needs_no_file() -> None:
     cfg = parse_event("event: x\nstreams: [{id: a, source: push}]")
     assert (cfg.streams[0].source_kind, cfg.streams[0].resolved_source) == ("push", "push")

@@ -149,6 +149,16 @@ class OutputsConfig(_Strict):
     youtube: list[YoutubeSinkConfig] = Field(
         default_factory=list, description="YouTube Live caption ingestion, per stream/lang")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _validate_defaults(cls, data: object) -> object:
+        # A missing archive section is validated, not defaulted, so that its relative
+        # folder resolves against the event file (the context), not the working directory.
+        if isinstance(data, dict):
+            data = {k: ({} if k == "archive" and v is None else v) for k, v in data.items()}
+            data.setdefault("archive", {})
+        return data
+
 
 def outputs_problems(cfg: OutputsConfig, streams: Sequence[StreamLike]) -> list[
         tuple[Loc, str, object]]:
