@@ -469,3 +469,17 @@ async def test_asr_side_enqueues_finals_with_context_and_tails_at_most_every_n_s
         await tail_runner._enqueue_translation(_seg(1, f"words at {t}", False, 1000 + t))
     assert [j.text for j in await _jobs(bus) if not j.is_final] == [
         "words at 0.0", "words at 2.5", "words at 4.6"]
+
+
+async def test_vllm_backend_imports_without_vllm_and_says_what_it_needs() -> None:
+    import importlib.util
+
+    from translation.backends.vllm_chat import VllmChatOptions, VllmChatTranslator
+
+    t = VllmChatTranslator(VllmChatOptions(model="/models/some-instruct-model"))
+    assert t.uses_context and t.batch_size == 16  # the shared prompt/batching path
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(BackendError, match="needs the vllm package"):
+            await t.start()
+    (out,) = await t.translate([TranslationRequest("Hi.", "en", "fr")], Glossary())
+    assert isinstance(out, BackendError) and "not started" in str(out)
