@@ -3,6 +3,7 @@
     babelcast validate FILE          exit 0, or 2 with file:line: key: message lines
     babelcast run FILE [--duration S] [--plain]
     babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
+    babelcast status [--url http://127.0.0.1:8000] [--json] [--watch S]
     babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--redis URL]
 """
 
@@ -99,6 +100,43 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_once(url: str, as_json: bool, clear: bool) -> int:
+    import httpx
+
+    from orchestrator.status import render
+
+    try:
+        resp = httpx.get(f"{url}/v1/status", timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"babelcast status: cannot reach the gateway at {url} ({type(exc).__name__}); "
+              "is `babelcast run` running there? set --url or $BABELCAST_URL", file=sys.stderr)
+        return 2
+    if resp.status_code != 200:
+        print(f"babelcast status: {url}/v1/status answered {resp.status_code}: "
+              f"{resp.text[:200]}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(resp.json(), ensure_ascii=False), flush=True)
+        return 0
+    if clear:
+        print("\x1b[2J\x1b[H", end="")  # a fresh screen for each refresh
+    print(render(resp.json(), url), flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
+    url = args.url.rstrip("/")
+    if not args.watch:
+        return _status_once(url, args.json, clear=False)
+    with contextlib.suppress(KeyboardInterrupt):
+        while True:
+            _status_once(url, args.json, clear=not args.json)
+            time.sleep(args.watch)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -152,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON message per line")
     t.add_argument("--limit", type=int, default=None, help="exit after N captions")
     t.set_defaults(func=cmd_tail)
+    st = sub.add_parser("status", help="print a running event's headline figures")
+    st.add_argument("--url", default=os.environ.get("BABELCAST_URL", "http://127.0.0.1:8000"),
+                    help="the event's gateway (default: $BABELCAST_URL or local 8000)")
+    st.add_argument("--json", action="store_true", help="the gateway's /v1/status JSON")
+    st.add_argument("--watch", type=float, default=None, metavar="S",
+                    help="refresh every S seconds until Ctrl-C")
+    st.set_defaults(func=cmd_status)
     e = sub.add_parser("export", help="write a stream's finals from Redis as WebVTT or SRT")
     e.add_argument("stream")
     e.add_argument("--lang", default=None,

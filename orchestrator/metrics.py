@@ -1,60 +1,49 @@
 """Prometheus instruments of the gateway and orchestrator process.
 
-Names follow `babelcast_<thing>_<unit>`, counters end in `_total`, and labels
-are bounded (stream ids from the config, languages, component names): never
-caption text or client ids.
+Built from `orchestrator.metric_catalog` (names, help texts, labels, buckets), so
+what `/metrics` serves is exactly what the catalog, the dashboards and the alert
+rules say. Actor-side metrics are not here: the runtime's Ray sinks make them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from typing import Any
 
-GATEWAY_CLIENTS = Gauge(
-    "babelcast_gateway_clients", "Caption WebSocket clients connected", ["stream", "lang"]
-)
-GATEWAY_MESSAGES = Counter(
-    "babelcast_gateway_messages_total", "Caption messages sent to clients", ["stream", "lang"]
-)
-GATEWAY_SLOW_DROPS = Counter(
-    "babelcast_gateway_slow_client_drops_total",
-    "Interim captions dropped because a client read too slowly (finals are never dropped)",
-)
-GATEWAY_CAPTION_DELIVERY = Histogram(
-    "babelcast_gateway_caption_delivery_seconds",
-    "Audio end of a caption (capture time) to its send by the gateway",
-    ["stream", "final"],
-    buckets=(0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 20),
-)
-PUSH_FRAMES = Counter(
-    "babelcast_push_audio_frames_total", "PCM16 frames received on push WebSockets", ["stream"]
-)
-PUSH_BAD_FRAMES = Counter(
-    "babelcast_push_bad_frames_total", "Push frames rejected (odd length, wrong type)", ["stream"]
-)
-REDIS_ERRORS = Counter(
-    "babelcast_redis_errors_total", "Redis operations that failed", ["component"]
-)
-UNDECODABLE = Counter(
-    "babelcast_undecodable_messages_total", "Bus messages skipped as undecodable", ["component"]
-)
-STREAMS_PLACED = Gauge(
-    "babelcast_streams_placed", "Streams pinned to each ASR actor", ["actor"]
-)
-STREAMS_UNPLACED = Gauge("babelcast_streams_unplaced", "Streams no ASR actor could take")
-ARCHIVE_CUES = Counter(
-    "babelcast_archive_cues_total", "Cues appended to WebVTT/SRT archives", ["stream", "lang"]
-)
-YOUTUBE_POSTS = Counter(
-    "babelcast_youtube_posts_total",
-    "YouTube caption POSTs by result (ok, retried, rejected, expired; dropped: finals "
-    "dropped from a full backlog)",
-    ["stream", "lang", "result"],
-)
-YOUTUBE_BACKLOG = Gauge(
-    "babelcast_youtube_backlog_finals", "Finals waiting to be posted to YouTube",
-    ["stream", "lang"],
-)
-OUTPUT_ERRORS = Counter(
-    "babelcast_output_errors_total", "Failures of the caption outputs (archive, youtube, "
-    "runner)", ["output"]
-)
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+from orchestrator.metric_catalog import spec
+
+# No `<name>_created` series next to each counter and histogram: nothing reads them,
+# and every series name on /metrics is then one the catalog lists.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+def _make(name: str) -> Any:
+    m = spec(name)
+    assert m.source == "gateway", f"{name} is exported by the actors, not the gateway"
+    if m.kind == "counter":
+        # prometheus_client appends `_total` to a counter's name itself.
+        return Counter(m.name.removesuffix("_total"), m.help, list(m.labels))
+    if m.kind == "gauge":
+        return Gauge(m.name, m.help, list(m.labels))
+    return Histogram(m.name, m.help, list(m.labels), buckets=m.buckets)
+
+
+GATEWAY_CLIENTS: Gauge = _make("babelcast_gateway_clients")
+GATEWAY_MESSAGES: Counter = _make("babelcast_gateway_messages_total")
+GATEWAY_SLOW_DROPS: Counter = _make("babelcast_gateway_slow_client_drops_total")
+GATEWAY_CAPTION_DELIVERY: Histogram = _make("babelcast_gateway_caption_delivery_seconds")
+PUSH_FRAMES: Counter = _make("babelcast_push_audio_frames_total")
+PUSH_BAD_FRAMES: Counter = _make("babelcast_push_bad_frames_total")
+REDIS_ERRORS: Counter = _make("babelcast_redis_errors_total")
+UNDECODABLE: Counter = _make("babelcast_undecodable_messages_total")
+STREAMS_PLACED: Gauge = _make("babelcast_streams_placed")
+STREAMS_BUDGET: Gauge = _make("babelcast_streams_budget")
+STREAMS_UNPLACED: Gauge = _make("babelcast_streams_unplaced")
+STREAM_UNPLACED: Gauge = _make("babelcast_stream_unplaced")
+ACTOR_UP: Gauge = _make("babelcast_actor_up")
+STREAM_READDS: Counter = _make("babelcast_stream_readds_total")
+ARCHIVE_CUES: Counter = _make("babelcast_archive_cues_total")
+YOUTUBE_POSTS: Counter = _make("babelcast_youtube_posts_total")
+YOUTUBE_BACKLOG: Gauge = _make("babelcast_youtube_backlog_finals")
+OUTPUT_ERRORS: Counter = _make("babelcast_output_errors_total")

@@ -11,24 +11,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from redis.asyncio import Redis
 
-from orchestrator import metrics
+from orchestrator import metric_catalog, metrics
 from orchestrator.config import EventConfig, StreamConfig, TranslationConfig
+from orchestrator.metric_catalog import MetricSpec
 from orchestrator.redis_server import LocalRedisServer
 from orchestrator.router import PlacementError, Router
+from orchestrator.status import register_actors
 from translation.backends import BackendSettings, concrete
 from translation.backends.openai_chat import OpenAIChatOptions
 from translation.backends.vllm_chat import VllmChatOptions
 from translation.glossary import GlossaryTerm
 from translation.host import TranslationHost, TranslationHostOptions
 from workers.asr import AsrHost, AsrHostOptions
+from workers.bus import RedisBus
 from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
@@ -66,81 +74,191 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
     )
 
 
+def _ray_instrument(m: MetricSpec) -> Any:
+    from ray.util import metrics as rm
+
+    if m.kind == "counter":
+        return rm.Counter(m.name, m.help, tag_keys=m.labels)
+    if m.kind == "gauge":
+        return rm.Gauge(m.name, m.help, tag_keys=m.labels)
+    return rm.Histogram(m.name, m.help, boundaries=list(m.buckets), tag_keys=m.labels)
+
+
+InstrumentFactory = Callable[[MetricSpec], Any]
+
+# One instrument per metric and process (an actor's process may hold several sinks).
+_RAY_INSTRUMENTS: dict[str, Any] = {}
+
+
+class CatalogInstruments:
+    """Instruments of the metric catalog, made on first use; every record names
+    exactly the labels the catalog lists for that metric (Ray refuses missing ones)."""
+
+    def __init__(self, factory: InstrumentFactory = _ray_instrument,
+                 cache: dict[str, Any] | None = None) -> None:
+        self._factory = factory
+        self._made = _RAY_INSTRUMENTS if cache is None else cache
+
+    def _get(self, name: str, labels: dict[str, str]) -> tuple[Any, dict[str, str]]:
+        m = metric_catalog.spec(name)
+        if set(labels) != set(m.labels):
+            raise ValueError(f"{name} takes labels {m.labels}, got {sorted(labels)}")
+        inst = self._made.get(name)
+        if inst is None:
+            inst = self._made[name] = self._factory(m)
+        return inst, labels
+
+    def inc(self, name: str, value: float, **labels: str) -> None:
+        if value > 0:
+            inst, tags = self._get(name, labels)
+            inst.inc(value, tags=tags)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        inst, tags = self._get(name, labels)
+        inst.set(value, tags=tags)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        inst, tags = self._get(name, labels)
+        inst.observe(value, tags=tags)
+
+
+STREAM_COUNTERS: dict[str, str] = {
+    "rut_recoveries": "babelcast_rut_recoveries_total",
+    "gaps": "babelcast_audio_gaps_total",
+    "gap_fill_s": "babelcast_audio_gap_fill_seconds_total",
+    "session_errors": "babelcast_session_errors_total",
+    "asr_audio_s": "babelcast_asr_audio_seconds_total",
+    "source_audio_s": "babelcast_source_audio_seconds_total",
+    "source_reconnects": "babelcast_source_reconnects_total",
+}
+"""Worker counter keys (`workers.telemetry`) → catalog metrics labelled by stream."""
+STREAM_COUNTER_PREFIXES: dict[str, str] = {
+    "rollovers_": "babelcast_rollovers_total",
+    "source_gaps_": "babelcast_source_gaps_total",
+}
+"""Keys `<prefix><reason>` → metrics labelled by stream and reason."""
+STREAM_GAUGES: dict[str, str] = {
+    "voiced_without_text_s": "babelcast_voiced_without_text_seconds",
+    "speech_without_caption_s": "babelcast_speech_without_caption_seconds",
+    "last_caption_at": "babelcast_last_caption_timestamp_seconds",
+    "active": "babelcast_asr_stream_active",
+}
+ACTOR_COUNTERS: dict[str, str] = {
+    "engine_busy_s": "babelcast_engine_busy_seconds_total",
+    "engine_steps": "babelcast_engine_steps_total",
+}
+STATUS_ONLY = frozenset({
+    "sessions_opened", "seam_words_deduped", "rollover_failures", "session_open_failures",
+    "ruts_detected", "forced_switches", "late_audio_dropped_s", "stalls", "source_gaps",
+})
+"""Session-manager counters that stay in the stream's status hash only."""
+
+
 class RayMetricsSink:
-    """Session-manager counters as `ray.util.metrics` instruments, so Ray's metrics
-    agent exports them from every node (one scrape covers the cluster). Counter
-    names map to bounded label sets: stream ids from the config, rollover reasons."""
+    """Worker figures (`workers.telemetry.MetricsSink`) as `ray.util.metrics`
+    instruments, so Ray's metrics agent exports them from every node (one scrape
+    covers the cluster). `actor` labels the metrics that carry it."""
 
-    def __init__(self) -> None:
-        from ray.util import metrics as rm
+    def __init__(self, actor: str, instruments: CatalogInstruments | None = None) -> None:
+        self.actor = actor
+        self.m = instruments or CatalogInstruments()
 
-        self.rollovers = rm.Counter("babelcast_rollovers_total",
-                                    "Engine session rollovers", tag_keys=("stream", "reason"))
-        self.rut_recoveries = rm.Counter("babelcast_rut_recoveries_total",
-                                         "Stuck sessions that captioned again after a rollover",
-                                         tag_keys=("stream",))
-        self.gaps = rm.Counter("babelcast_audio_gaps_total",
-                               "Holes in a stream's audio seen by its session manager",
-                               tag_keys=("stream",))
-        self.gap_fill = rm.Counter("babelcast_audio_gap_fill_seconds_total",
-                                   "Seconds of dithered noise fed for stalled or missing audio",
-                                   tag_keys=("stream",))
-        self.voiced = rm.Gauge("babelcast_voiced_without_text_seconds",
-                               "Speech seconds since the stream's engine last emitted text",
-                               tag_keys=("stream",))
+    def _labels(self, name: str, **labels: str) -> dict[str, str]:
+        if "actor" in metric_catalog.spec(name).labels:
+            labels["actor"] = self.actor
+        return labels
 
     def stream_update(self, stream: str, counters: dict[str, float],
                       gauges: dict[str, float]) -> None:
-        for name, value in counters.items():
-            if value <= 0:
+        for key, value in counters.items():
+            name = STREAM_COUNTERS.get(key)
+            if name is not None:
+                self.m.inc(name, value, **self._labels(name, stream=stream))
                 continue
-            if name.startswith("rollovers_"):
-                self.rollovers.inc(value, tags={"stream": stream,
-                                                "reason": name.removeprefix("rollovers_")})
-            elif name == "rut_recoveries":
-                self.rut_recoveries.inc(value, tags={"stream": stream})
-            elif name == "gaps":
-                self.gaps.inc(value, tags={"stream": stream})
-            elif name == "gap_fill_s":
-                self.gap_fill.inc(value, tags={"stream": stream})
-        if "voiced_without_text_s" in gauges:
-            self.voiced.set(gauges["voiced_without_text_s"], tags={"stream": stream})
+            for prefix, name in STREAM_COUNTER_PREFIXES.items():
+                if key.startswith(prefix):
+                    self.m.inc(name, value, stream=stream, reason=key.removeprefix(prefix))
+        for key, value in gauges.items():
+            name = STREAM_GAUGES.get(key)
+            if name is not None:
+                self.m.set(name, value, **self._labels(name, stream=stream))
+
+    def caption_published(self, stream: str, is_final: bool, latency_s: float | None) -> None:
+        kind = "final" if is_final else "partial"
+        self.m.inc("babelcast_captions_published_total", 1, stream=stream, kind=kind)
+        if latency_s is not None:
+            self.m.observe("babelcast_caption_latency_seconds", max(0.0, latency_s),
+                           stream=stream, kind=kind)
+
+    def actor_update(self, actor: str, counters: dict[str, float],
+                     gauges: dict[str, float]) -> None:
+        for key, value in counters.items():
+            name = ACTOR_COUNTERS.get(key)
+            if name is not None:
+                self.m.inc(name, value, actor=actor)
 
 
 class RayTranslationMetrics:
-    """Translator figures as `ray.util.metrics` instruments (labels: language, backend)."""
+    """Translator figures (`translation.host.TranslationMetrics`) as `ray.util.metrics`."""
 
-    def __init__(self) -> None:
-        from ray.util import metrics as rm
+    def __init__(self, instruments: CatalogInstruments | None = None) -> None:
+        self.m = instruments or CatalogInstruments()
 
-        self.lag = rm.Histogram(
-            "babelcast_translation_lag_seconds",
-            "Source final published to its translation published (seconds)",
-            boundaries=[0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0],
-            tag_keys=("lang", "backend"))
-        self.translations = rm.Counter("babelcast_translations_total",
-                                       "Translated captions published",
-                                       tag_keys=("lang", "backend"))
-        self.errors = rm.Counter("babelcast_translation_errors_total",
-                                 "Translations published with an error marker",
-                                 tag_keys=("lang", "backend"))
-        self.depth = rm.Gauge("babelcast_translation_queue_jobs",
-                              "Translation jobs waiting (lag) or being worked on (pending)",
-                              tag_keys=("state",))
-        self.age = rm.Gauge("babelcast_translation_queue_oldest_age_seconds",
-                            "Age of the oldest translation job not yet done")
-
-    def published(self, lang: str, backend: str, lag_s: float, error: bool) -> None:
-        tags = {"lang": lang, "backend": backend}
-        self.translations.inc(1, tags=tags)
-        self.lag.observe(lag_s, tags=tags)
+    def published(self, stream: str, lang: str, backend: str, lag_s: float, error: bool,
+                  final: bool) -> None:
+        tags = {"stream": stream, "lang": lang, "backend": backend}
+        self.m.inc("babelcast_translations_total", 1, **tags,
+                   kind="final" if final else "partial")
+        if final:
+            self.m.observe("babelcast_translation_lag_seconds", max(0.0, lag_s), **tags)
         if error:
-            self.errors.inc(1, tags=tags)
+            self.m.inc("babelcast_translation_errors_total", 1, **tags)
 
     def queue(self, depth: dict[str, float]) -> None:
-        self.depth.set(depth.get("pending", 0), tags={"state": "pending"})
-        self.depth.set(depth.get("lag", 0), tags={"state": "waiting"})
-        self.age.set(depth.get("oldest_age_s", 0.0))
+        self.m.set("babelcast_translation_queue_jobs", depth.get("pending", 0), state="pending")
+        self.m.set("babelcast_translation_queue_jobs", depth.get("lag", 0), state="waiting")
+        self.m.set("babelcast_translation_queue_oldest_age_seconds",
+                   depth.get("oldest_age_s", 0.0))
+
+    def usage(self, backend: str, counters: dict[str, float]) -> None:
+        self.m.inc("babelcast_translation_requests_total", counters.get("requests", 0),
+                   backend=backend)
+        self.m.inc("babelcast_translation_chars_total", counters.get("chars_in", 0),
+                   backend=backend, kind="source")
+        self.m.inc("babelcast_translation_chars_total", counters.get("prompt_chars", 0),
+                   backend=backend, kind="prompt")
+
+
+RAY_SD_FILE = "prom_metrics_service_discovery.json"
+
+
+def write_ray_metrics_targets() -> list[tuple[Path, str]]:
+    """Ray's Prometheus service-discovery file, for a local Ray started without its
+    dashboard: Ray's dashboard (its reporter module) writes it otherwise, so a
+    Prometheus `file_sd_configs` entry for `/tmp/ray/prom_metrics_service_discovery.json`
+    works either way. Same name, format and places as Ray's writer: the session
+    folder and the Ray temp folder (`/tmp/ray`, or `$RAY_TMPDIR/ray`). Returns the
+    files written with their content."""
+    from ray._private import worker  # Ray's own writer reads the same node object
+
+    node = worker._global_node
+    if node is None:
+        return []
+    targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}"
+               for n in ray.nodes() if n.get("Alive") and n.get("MetricsExportPort")]
+    content = json.dumps([{"labels": {"job": "ray"}, "targets": targets}])
+    written: list[tuple[Path, str]] = []
+    for folder in (node.get_session_dir_path(), node.get_temp_dir_path()):
+        path = Path(folder) / RAY_SD_FILE
+        tmp = path.with_name(f"tmp_babelcast_{RAY_SD_FILE}")
+        try:
+            tmp.write_text(content)
+            os.replace(tmp, path)  # atomic: Prometheus never reads half a file
+        except OSError as exc:
+            log.warning("cannot write Ray's metrics targets to %s: %s", path, exc)
+            continue
+        written.append((path, content))
+    return written
 
 
 def translation_backends(cfg: EventConfig) -> list[str]:
@@ -242,13 +360,13 @@ def build_engine(options: EngineOptions) -> SpeechEngine:
 class AsrActor(_HostActor):
     def __init__(self, options: AsrHostOptions, engine: EngineOptions) -> None:
         super().__init__()
-        self.host = AsrHost(options, build_engine(engine), RayMetricsSink())
+        self.host = AsrHost(options, build_engine(engine), RayMetricsSink(options.actor_id))
 
 
 class IngestActor(_HostActor):
     def __init__(self, options: IngestHostOptions) -> None:
         super().__init__()
-        self.host = IngestHost(options)
+        self.host = IngestHost(options, metrics=RayMetricsSink(options.actor_id))
 
 
 class TranslatorActor:
@@ -290,6 +408,7 @@ class EventRuntime:
     _redis_child: LocalRedisServer | None = None
     _started_ray: bool = False
     _ingest_pins: dict[str, str] = field(default_factory=dict)
+    _sd_files: list[tuple[Path, str]] = field(default_factory=list)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -308,6 +427,11 @@ class EventRuntime:
                 log_to_driver=True,
             )
             self._started_ray = True
+            # Without the dashboard nobody writes Ray's metrics targets for Prometheus.
+            try:
+                self._sd_files = write_ray_metrics_targets()
+            except Exception as exc:  # monitoring is missing a target; the event runs
+                log.warning("cannot list Ray's metrics endpoints for Prometheus: %r", exc)
         return self.redis_url
 
     async def start_actors(self) -> None:
@@ -369,12 +493,36 @@ class EventRuntime:
                 ing = self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
                 await self.ingest[ing].add_stream.remote(opts)
         self._export_placement()
+        await self._report_status()
 
     def _export_placement(self) -> None:
         assert self.router is not None
         for actor in self.asr:
             metrics.STREAMS_PLACED.labels(actor=actor).set(self.router.load(actor))
+            metrics.STREAMS_BUDGET.labels(actor=actor).set(self.cfg.engine.streams_per_actor)
         metrics.STREAMS_UNPLACED.set(len(self.unplaced))
+        for s in self.cfg.streams:
+            metrics.STREAM_UNPLACED.labels(stream=s.id).set(int(s.id in self.unplaced))
+
+    async def _report_status(self) -> None:
+        """For the gateway's /v1/status and `babelcast status`: the event's actors, and
+        each stream's placement in its status hash (the ASR actor, or `unplaced`)."""
+        assert self.router is not None
+        try:
+            redis = Redis.from_url(self.redis_url)
+            try:
+                bus = RedisBus(redis)
+                await register_actors(bus, [*self.asr, *self.ingest, *self.translators])
+                for s in self.cfg.streams:
+                    where = "unplaced" if s.id in self.unplaced else self.router.pins.get(s.id, "")
+                    await bus.set_status(s.id, placement=where)
+            finally:
+                await redis.aclose()
+        except Exception as exc:  # status is a view; the event runs without it
+            log.warning("cannot write stream placement to Redis: %s", type(exc).__name__)
+
+    def _actor_up(self, actor_id: str, role: str, up: bool) -> None:
+        metrics.ACTOR_UP.labels(actor=actor_id, role=role).set(int(up))
 
     async def reconcile(self, timeout_s: float = 20.0) -> list[str]:
         """Re-add streams to actors that lost them (restarted by Ray); returns problems."""
@@ -387,9 +535,12 @@ class EventRuntime:
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
+                self._actor_up(actor_id, "asr", False)
                 continue
+            self._actor_up(actor_id, "asr", True)
             for sid in sorted(want - have):
                 log.warning("re-adding stream %s to %s", sid, actor_id)
+                metrics.STREAM_READDS.labels(actor=actor_id).inc()
                 await handle.add_stream.remote(
                     stream_options(streams[sid], self.cfg.translation))
         for actor_id, handle in self.translators.items():
@@ -397,14 +548,20 @@ class EventRuntime:
                 await asyncio.wait_for(handle.start.remote(), timeout_s)
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
+                self._actor_up(actor_id, "translator", False)
+            else:
+                self._actor_up(actor_id, "translator", True)
         for actor_id, handle in self.ingest.items():
             want = {s for s, a in self._ingest_pins.items() if a == actor_id}
             try:
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
+                self._actor_up(actor_id, "ingest", False)
                 continue
+            self._actor_up(actor_id, "ingest", True)
             for sid in sorted(want - have):
+                metrics.STREAM_READDS.labels(actor=actor_id).inc()
                 await handle.add_stream.remote(
                     stream_options(streams[sid], self.cfg.translation))
         return problems
@@ -428,6 +585,11 @@ class EventRuntime:
         self.translators.clear()
 
     def stop_services(self) -> None:
+        for path, content in self._sd_files:  # the targets are gone with this Ray
+            with contextlib.suppress(OSError):
+                if path.read_text() == content:  # not a newer Ray's
+                    path.unlink()
+        self._sd_files = []
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         if self._redis_child is not None:

@@ -17,6 +17,7 @@ command -v apertium >/dev/null 2>&1 || missing+=(apertium)
 [ -f /usr/share/apertium/modes/eng-spa.mode ] || missing+=(apertium-eng-spa)
 [ -f /usr/share/apertium/modes/fr-es.mode ] || missing+=(apertium-fr-es)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 if command -v python3 >/dev/null 2>&1; then
   python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)

@@ -34,9 +34,15 @@ log = logging.getLogger(__name__)
 class TranslationMetrics(Protocol):
     """Where the host reports what it did (Ray metrics in production, a recorder in tests)."""
 
-    def published(self, lang: str, backend: str, lag_s: float, error: bool) -> None: ...
+    def published(self, stream: str, lang: str, backend: str, lag_s: float, error: bool,
+                  final: bool) -> None:
+        """One translation out; `lag_s`: its source final's publication to its own."""
 
-    def queue(self, depth: dict[str, float]) -> None: ...
+    def queue(self, depth: dict[str, float]) -> None:
+        """The job queue's figures (`JobQueue.depth`)."""
+
+    def usage(self, backend: str, counters: dict[str, float]) -> None:
+        """A backend's `requests`, `chars_in` and `prompt_chars` since the last call."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,8 @@ class TranslationHost:
         self._tail_revisions: dict[tuple[str, str, int], int] = {}
         self.counters: dict[str, float] = defaultdict(float)
         self.lags: deque[float] = deque(maxlen=2000)
+        self.lags_by_lang: dict[str, deque[float]] = {}
+        self._usage_seen: dict[tuple[str, str], float] = {}
 
     @property
     def bus(self) -> RedisBus:
@@ -228,8 +236,14 @@ class TranslationHost:
             self.counters[f"errors_{it.backend}"] += 1
         if job.is_final:
             self.lags.append(lag)
+            self.lags_by_lang.setdefault(it.target, deque(maxlen=500)).append(lag)
         if self.metrics is not None:
-            self.metrics.published(it.target, it.backend, lag, error is not None)
+            try:  # a metrics failure never holds a translation back
+                self.metrics.published(job.stream, it.target, it.backend, lag,
+                                       error is not None, job.is_final)
+            except Exception as exc:
+                log.warning("translator %s: metrics failed: %s", self.options.translator_id,
+                            type(exc).__name__)
 
     # ---- reporting -------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -237,11 +251,25 @@ class TranslationHost:
         for name, backend in self._backends.items():
             out.update(backend.stats.as_fields(name.replace("-", "_")))
         if self.lags:
-            ordered = sorted(self.lags)
-            out["lag_p50_s"] = round(ordered[len(ordered) // 2], 3)
-            out["lag_p95_s"] = round(ordered[min(len(ordered) - 1,
-                                                 int(len(ordered) * 0.95))], 3)
+            out["lag_p50_s"], out["lag_p95_s"] = _p50_p95(self.lags)
+        for lang, lags in self.lags_by_lang.items():
+            out[f"lag_p50_s_{lang}"], out[f"lag_p95_s_{lang}"] = _p50_p95(lags)
         return out
+
+    def _export_usage(self) -> None:
+        if self.metrics is None:
+            return
+        for name, backend in self._backends.items():
+            st = backend.stats
+            counters: dict[str, float] = {}
+            for key, value in (("requests", st.requests), ("chars_in", st.chars_in),
+                               ("prompt_chars", st.prompt_chars)):
+                seen = self._usage_seen.get((name, key), 0.0)
+                if value > seen:
+                    counters[key] = value - seen
+                self._usage_seen[(name, key)] = value
+            if counters:
+                self.metrics.usage(name, counters)
 
     async def _report_loop(self, every_s: float = 1.0) -> None:
         assert self._queue is not None
@@ -253,6 +281,7 @@ class TranslationHost:
                 await self.bus.set_actor_status(self.options.translator_id, fields)
                 if self.metrics is not None:
                     self.metrics.queue(depth)
+                    self._export_usage()
             await asyncio.sleep(every_s)
 
     async def health(self) -> dict[str, Any]:
@@ -272,3 +301,9 @@ class TranslationHost:
                 await backend.aclose()
         if self._redis is not None:
             await self._redis.aclose()
+
+
+def _p50_p95(lags: deque[float]) -> tuple[float, float]:
+    ordered = sorted(lags)
+    return (round(ordered[len(ordered) // 2], 3),
+            round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.95))], 3))

@@ -81,6 +81,13 @@ class _StreamRunner:
         self.failures = 0
         self._context: deque[str] = deque(maxlen=max(0, opts.context_sentences))
         self._last_tail_job = 0.0
+        # Metrics only (see export): audio handed to the session since the last export,
+        # failures already exported, the last caption with text, and speech seconds since it.
+        self._audio_unexported = 0.0
+        self._failures_exported = 0
+        self._last_caption_at = 0.0
+        self._speech_since_caption = 0.0
+        self._voiced_seen = 0.0
 
     @property
     def bus(self) -> RedisBus:
@@ -117,6 +124,8 @@ class _StreamRunner:
     async def push(self, item: AudioChunk | AudioGap) -> None:
         if isinstance(item, AudioChunk):
             self.walls.add(item)
+            self._audio_unexported += item.samples / SAMPLE_RATE
+            self.host.audio_s += item.samples / SAMPLE_RATE
         if self.session is not None:
             await self.session.push(item)
 
@@ -124,6 +133,7 @@ class _StreamRunner:
         assert self.segmenter is not None
         for seg in self.segmenter.feed(delta):
             await self.bus.publish_caption(seg)
+            self._count_caption(seg)
             fields: dict[str, str | float | int] = {
                 "asr_state": "captioning",
                 "last_caption_at": seg.emit_time,
@@ -134,6 +144,31 @@ class _StreamRunner:
                 await self.bus.incr_status(self.opts.stream_id, "finals")
             await self.bus.set_status(self.opts.stream_id, **fields)
             await self._enqueue_translation(seg)
+
+    def _count_caption(self, seg: CaptionSegment) -> None:
+        if seg.text:
+            self._last_caption_at = seg.emit_time
+            # The watchdog's voiced-without-text count restarts with this text too.
+            self._speech_since_caption = 0.0
+            self._voiced_seen = 0.0
+        sink = self.host.metrics
+        if sink is None:
+            return
+        latency = seg.emit_time - seg.audio_end_wall if seg.text else None
+        try:  # a metrics failure never stops captions
+            sink.caption_published(self.opts.stream_id, seg.is_final, latency)
+        except Exception as exc:
+            log.warning("stream %s: caption metrics failed: %s", self.opts.stream_id,
+                        type(exc).__name__)
+
+    def _count_speech(self, voiced_without_text_s: float) -> None:
+        """Speech seconds since the last caption, from the watchdog's gauge: it grows
+        with speech and restarts at 0 on text or on a rollover, so a drop means the
+        speech since the restart is all new (a rut that rolls over and over keeps
+        growing this sum, where the gauge itself saws)."""
+        grew = voiced_without_text_s - self._voiced_seen
+        self._speech_since_caption += grew if grew >= 0 else voiced_without_text_s
+        self._voiced_seen = voiced_without_text_s
 
     async def _enqueue_translation(self, seg: CaptionSegment) -> None:
         """One job per final sentence (all targets at once), with the stream's previous
@@ -202,12 +237,24 @@ class _StreamRunner:
         delta = {k: v - self._exported.get(k, 0.0) for k, v in counters.items()
                  if v != self._exported.get(k, 0.0)}
         self._exported = counters
+        if "voiced_without_text_s" in gauges:
+            self._count_speech(gauges["voiced_without_text_s"])
         fields: dict[str, str | float | int] = {k: round(v, 3) for k, v in counters.items()}
         fields.update(gauges)
-        if fields:
-            await self.bus.set_status(self.opts.stream_id, **fields)
+        fields["speech_without_caption_s"] = round(self._speech_since_caption, 1)
+        await self.bus.set_status(self.opts.stream_id, **fields)
         if sink is not None:
-            sink.stream_update(self.opts.stream_id, delta, gauges)
+            failures = self.failures - self._failures_exported
+            self._failures_exported = self.failures
+            extra = {"session_errors": float(failures), "asr_audio_s": self._audio_unexported}
+            self._audio_unexported = 0.0
+            metric_gauges = {**gauges, "speech_without_caption_s": self._speech_since_caption,
+                             "active": 1.0}
+            if self._last_caption_at:
+                metric_gauges["last_caption_at"] = self._last_caption_at
+            sink.stream_update(self.opts.stream_id,
+                               {**delta, **{k: v for k, v in extra.items() if v}},
+                               metric_gauges)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -231,6 +278,9 @@ class AsrHost:
         self._reader: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._reporter: asyncio.Task[None] | None = None
+        self._engine_seen: dict[str, float] = {}
+        self.audio_s = 0.0
+        """Audio seconds handed to all sessions since start (engine busy / this = RTF)."""
 
     @property
     def bus(self) -> RedisBus:
@@ -312,13 +362,34 @@ class AsrHost:
                 except Exception as exc:
                     log.warning("stream %s: status export failed: %s", runner.opts.stream_id,
                                 type(exc).__name__)
+            stats: dict[str, float] | None = None
             with contextlib.suppress(Exception):
+                stats = self.engine.stats()
                 await self.bus.set_actor_status(
                     self.options.actor_id,
-                    {**self.engine.stats(), "streams": len(self._runners),
-                     "max_streams": self.options.max_streams},
+                    {**stats, "streams": len(self._runners),
+                     "max_streams": self.options.max_streams,
+                     "audio_s": round(self.audio_s, 3)},
                 )
+            try:
+                if stats is not None:
+                    self._export_engine(stats)
+            except Exception as exc:
+                log.warning("actor %s: metrics export failed: %s", self.options.actor_id,
+                            type(exc).__name__)
             await asyncio.sleep(every_s)
+
+    def _export_engine(self, stats: dict[str, float]) -> None:
+        """Engine load as metrics, from the engines that measure it (embedded: busy
+        seconds and decode calls)."""
+        if self.metrics is None:
+            return
+        counters: dict[str, float] = {}
+        for key, name in (("decode_busy_s", "engine_busy_s"), ("decode_calls", "engine_steps")):
+            if key in stats:
+                counters[name] = max(0.0, stats[key] - self._engine_seen.get(key, 0.0))
+                self._engine_seen[key] = stats[key]
+        self.metrics.actor_update(self.options.actor_id, counters, {})
 
     async def stop(self) -> None:
         for task in (self._reader, self._reporter):

@@ -25,6 +25,7 @@ from workers.bus import RedisBus
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
 from workers.sources.base import AudioSource, SourceError
 from workers.sources.factory import open_source
+from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +96,16 @@ def _default_factory(opts: StreamOptions, executor: Any) -> AudioSource:
     return open_source(opts.source, loop=opts.loop, executor=executor)
 
 
+METRICS_EVERY_S = 1.0
+"""How often a stream's decoded audio seconds reach the metrics sink."""
+
+
 class IngestHost:
-    def __init__(self, options: IngestHostOptions, source_factory: SourceFactory | None = None):
+    def __init__(self, options: IngestHostOptions, source_factory: SourceFactory | None = None,
+                 metrics: MetricsSink | None = None):
         self.options = options
         self._factory = source_factory or _default_factory
+        self.metrics = metrics
         self._redis: Redis | None = None
         self._bus: RedisBus | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -153,28 +160,47 @@ class IngestHost:
         await self.bus.set_status(stream, source_state=state, ingest_actor=self.options.actor_id,
                                   **fields)
 
+    def _count(self, stream: str, counters: dict[str, float]) -> None:
+        if self.metrics is None:
+            return
+        try:  # a metrics failure never stops audio
+            self.metrics.stream_update(stream, counters, {})
+        except Exception as exc:
+            log.warning("stream %s: ingest metrics failed: %s", stream, type(exc).__name__)
+
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
         pos, wall = await self.bus.last_audio_end(stream)
         clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart")
         attempt = 0
+        audio_s = 0.0
+        counted_at = time.monotonic()
         while True:
             source = self._factory(opts, self._pool)
             await self._set(stream, "connecting")
             try:
                 live = False
                 async for pcm in source.chunks():
-                    await write_audio(self.bus, clock, pcm)
+                    gap = await write_audio(self.bus, clock, pcm)
+                    if gap is not None:
+                        self._count(stream, {f"source_gaps_{gap.reason}": 1.0})
+                    audio_s += len(pcm) / 2 / SAMPLE_RATE
+                    if time.monotonic() - counted_at >= METRICS_EVERY_S:
+                        self._count(stream, {"source_audio_s": audio_s})
+                        audio_s, counted_at = 0.0, time.monotonic()
                     if not live:
                         live = True
                         attempt = 0
                         await self._set(stream, "live", source_error="")
+                if audio_s:
+                    self._count(stream, {"source_audio_s": audio_s})
                 await self._set(stream, "ended")
                 return
             except SourceError as exc:
                 # Message is operator-facing and carries no caption text.
                 log.warning("stream %s: source error: %s", stream, exc)
                 clock.pending_reason = "source-error"
+                self._count(stream, {"source_reconnects": 1.0})
                 await self.bus.incr_status(stream, "source_reconnects")
                 await self._set(stream, "reconnecting", source_error=str(exc))
             except asyncio.CancelledError:
@@ -182,6 +208,7 @@ class IngestHost:
             except Exception as exc:  # a bug in one source never stops the others
                 log.exception("stream %s: source crashed", stream)
                 clock.pending_reason = "source-crash"
+                self._count(stream, {"source_reconnects": 1.0})
                 await self._set(stream, "reconnecting", source_error=f"{type(exc).__name__}")
             finally:
                 with contextlib.suppress(Exception):

@@ -9,6 +9,9 @@ twice. Without `since` a client starts at the live edge; a `since` beyond the
 newest publication (the stream's captions started over) gets a `since_ahead`
 error, so the client drops its position and reconnects without one.
 
+`/v1/status` serves the event's headline figures (`babelcast status` prints them)
+and `/metrics` the gateway's and orchestrator's Prometheus metrics.
+
 Also served here: `/` (the streams, with overlay links), the overlay page
 `/overlay/{id}?lang=xx` with its static files under `/static/`, and live HLS
 WebVTT playlists `/hls/{id}/{lang}.m3u8` with segments `/hls/{id}/{lang}/{n}.vtt`.
@@ -17,6 +20,7 @@ WebVTT playlists `/hls/{id}/{lang}.m3u8` with segments `/hls/{id}/{lang}/{n}.vtt
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -46,6 +50,7 @@ from orchestrator.gateway.pages import STATIC_DIR, index_html, linebreak_script
 from orchestrator.gateway.realtime import RealtimeConnection
 from orchestrator.gateway.realtime_protocol import error_event
 from orchestrator.outputs.hls import HlsOptions, HlsService, HlsTrack
+from orchestrator.status import collect as collect_status
 from workers.bus import RedisBus, caption_to_json, captions_key
 from workers.events import CaptionSegment, StreamOptions
 from workers.ingest import AudioClock, write_audio
@@ -83,7 +88,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         await hub.start()
         bus = RedisBus(redis)
         state.update(redis=redis, bus=bus, hub=hub, clocks={},
-                     hls=HlsService(bus, hls_options))
+                     hls=HlsService(bus, hls_options), clients=collections.Counter())
         try:
             yield
         finally:
@@ -125,6 +130,18 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def event_status() -> JSONResponse:
+        """The headline figures `babelcast status` prints (see orchestrator/status.py)."""
+        try:
+            body = await collect_status(bus(), [s.options for s in by_id.values()], event_name,
+                                        dict(state["clients"]))
+        except Exception as exc:
+            metrics.REDIS_ERRORS.labels(component="gateway").inc()
+            return JSONResponse({"error": f"status unavailable: {type(exc).__name__}"},
+                                status_code=503)
+        return JSONResponse(body)
 
     @app.get("/v1/streams")
     async def list_streams() -> list[dict[str, Any]]:
@@ -251,6 +268,8 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         await hub.subscribe(key, queue)
         gauge = metrics.GATEWAY_CLIENTS.labels(stream=stream_id, lang=lang)
         gauge.inc()
+        clients: collections.Counter[tuple[str, str]] = state["clients"]
+        clients[(stream_id, lang)] += 1
         sent = metrics.GATEWAY_MESSAGES.labels(stream=stream_id, lang=lang)
         last = since
         if last is None:
@@ -262,7 +281,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             await ws.send_text(caption_to_json(seg))
             sent.inc()
             metrics.GATEWAY_CAPTION_DELIVERY.labels(
-                stream=stream_id, final=str(seg.is_final).lower()
+                stream=stream_id, kind="final" if seg.is_final else "partial"
             ).observe(max(0.0, time.time() - seg.audio_end_wall))
             last = seg.seq
 
@@ -306,6 +325,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             gauge.dec()
+            clients[(stream_id, lang)] -= 1
             await hub.unsubscribe(key, queue)
             with contextlib.suppress(Exception):
                 await ws.close()

@@ -1,0 +1,136 @@
+"""`/v1/status` and `babelcast status`: the headline figures, from the status hashes the
+actors keep in a real Redis, through the real gateway, printed as an operator runs it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from orchestrator.gateway.app import GatewayStream
+from orchestrator.redis_server import free_port
+from orchestrator.status import register_actors, render
+from tests.outputs_support import caption, running_gateway
+from workers.bus import RedisBus
+from workers.events import StreamOptions
+
+pytestmark = pytest.mark.integration
+
+SECRET = "Caption words never reach status output"
+
+
+def streams() -> list[GatewayStream]:
+    return [
+        GatewayStream(StreamOptions(stream_id="hall", name="Main hall", source="x.flac",
+                                    language="en", targets=("pt", "es")), "file"),
+        GatewayStream(StreamOptions(stream_id="annex", name="Annex", source="push",
+                                    language="en"), "push"),
+    ]
+
+
+async def seed(bus: RedisBus, now: float) -> None:
+    """What the actors and the runtime write while an event runs."""
+    await bus.set_status("hall", placement="asr-0", asr_state="captioning", asr_actor="asr-0",
+                         source_state="live", last_caption_at=now - 2.0,
+                         last_final_latency_s=1.25, speech_without_caption_s=0.0,
+                         rollovers_rut=1, rollovers_budget=2, gaps=3)
+    for _ in range(7):
+        await bus.incr_status("hall", "finals")
+    await bus.set_status("annex", placement="unplaced")
+    await bus.publish_caption(caption(1, 1, SECRET, 0.0, 1.0, stream="hall"))
+    pt = caption(1, 1, SECRET, 0.0, 1.0, stream="hall", lang="pt", wall=now - 1.5)
+    await bus.publish_caption(pt)
+    await bus.set_actor_status("asr-0", {"streams": 1, "max_streams": 2, "decode_busy_s": 30.0,
+                                         "audio_s": 120.0})
+    await bus.set_actor_status("translator-0", {
+        "kind": "translator", "finals_published": 14, "errors": 1, "lag_p50_s": 0.4,
+        "lag_p95_s": 0.9, "lag_p50_s_pt": 0.5, "lag_p95_s_pt": 1.1, "queue_lag": 3,
+        "queue_pending": 1, "queue_oldest_age_s": 2.5})
+    # asr-9 has stopped reporting; asr-7 belongs to an earlier event.
+    await bus.redis.hset("actor:asr-9", mapping={"streams": 1, "max_streams": 2,
+                                                  "updated": repr(now - 600)})
+    await bus.set_actor_status("asr-7", {"streams": 1, "max_streams": 2})
+    await register_actors(bus, ["asr-7"])
+    await register_actors(bus, ["asr-0", "asr-9", "translator-0"])
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_status_reports_rooms_translation_actors_and_clients(
+    redis_url: str, bus: RedisBus
+) -> None:
+    now = time.time()
+    await seed(bus, now)
+    async with running_gateway(redis_url, streams()) as gw:
+        ws_url = gw.base.replace("http://", "ws://") + "/v1/streams/hall/captions?lang=pt"
+        async with websockets.connect(ws_url), httpx.AsyncClient(base_url=gw.base) as http:
+            async def one_client() -> dict[str, Any]:
+                while True:
+                    body: dict[str, Any] = (await http.get("/v1/status")).json()
+                    if body["clients"]["total"] == 1:
+                        return body
+                    await asyncio.sleep(0.05)
+
+            body = await asyncio.wait_for(one_client(), 10)
+            text, as_json = await asyncio.gather(asyncio.to_thread(cli, "--url", gw.base),
+                                                 asyncio.to_thread(cli, "--url", gw.base,
+                                                                   "--json"))
+    rooms = {s["id"]: s for s in body["streams"]}
+    hall, annex = rooms["hall"], rooms["annex"]
+    assert hall["state"] == "captioning" and hall["actor"] == "asr-0"
+    assert 1.5 <= hall["last_caption_age_s"] <= 10
+    assert hall["last_final_latency_s"] == 1.25 and hall["finals"] == 7
+    assert hall["rollovers"] == 3 and hall["gaps"] == 3 and hall["clients"] == 1
+    assert hall["translations"]["pt"]["speech_to_translation_s"] == pytest.approx(1.5, abs=0.2)
+    assert hall["translations"]["es"]["last_age_s"] is None
+    assert annex["state"] == "unplaced"
+    actors = {a["id"]: a for a in body["actors"]}
+    assert set(actors) == {"asr-0", "asr-9", "translator-0"}
+    assert actors["asr-0"]["rtf"] == 0.25 and not actors["asr-0"]["silent"]
+    assert actors["asr-9"]["silent"]
+    assert actors["translator-0"]["queue_waiting"] == 3
+    assert body["translation"]["languages"] == {"pt": {"lag_p50_s": 0.5, "lag_p95_s": 1.1}}
+    assert body["translation"]["queue"] == {"waiting": 3, "pending": 1, "oldest_age_s": 2.5}
+    assert body["clients"]["by_stream"] == {"hall": {"pt": 1}}
+
+    assert text.returncode == 0, text.stderr
+    out = text.stdout
+    assert "Babelcast — Test event" in out
+    hall_line = next(line for line in out.splitlines() if line.startswith("hall "))
+    assert "captioning" in hall_line and "asr-0" in hall_line and "1.25 s" in hall_line
+    assert any(line.startswith("annex ") and "unplaced" in line for line in out.splitlines())
+    assert "3 waiting, 1 in progress" in out
+    assert any(line.split()[:4] == ["hall", "pt", "0.50", "s"] for line in out.splitlines())
+    assert "1/2 streams" in out and "rtf 0.25" in out and "SILENT" in out
+    assert "Clients: 1 connected; hall: pt 1" in out
+    assert as_json.returncode == 0
+    assert json.loads(as_json.stdout)["streams"][0]["id"] == "hall"
+    assert SECRET not in out and SECRET not in as_json.stdout
+
+
+def test_status_says_what_to_do_when_no_gateway_answers() -> None:
+    result = cli("--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "cannot reach the gateway" in result.stderr and "--url" in result.stderr
+
+
+def test_render_of_an_event_that_just_started() -> None:
+    body = {"event": "e", "streams": [{
+        "id": "hall", "state": "waiting", "source_state": "-", "source_error": "",
+        "actor": None, "last_caption_age_s": None, "last_final_latency_s": None, "finals": 0,
+        "speech_without_caption_s": None, "rollovers": 0, "clients": 0, "translations": {}}],
+        "actors": [], "translation": {"languages": {}, "queue": {}},
+        "clients": {"total": 0, "by_stream": {}}}
+    out = render(body)
+    assert "hall  waiting" in out and "Clients: 0 connected" in out
+    assert "Translation" not in out
