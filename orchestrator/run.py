@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Generator
 
 import uvicorn
+from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from orchestrator.config import EventConfig
@@ -46,6 +48,23 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def gateway_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    """How `babelcast run` serves the gateway. Per-message deflate is off: a caption is a
+    few hundred bytes and browsers ask for deflate, so with it on the gateway compressed
+    every caption once per client: a quarter of its CPU at 500 clients (bench.delivery)."""
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                          ws_per_message_deflate=False)
+
+
+def tune_gc() -> None:
+    """Young collections far less often. The gateway allocates per caption and client, and
+    with the default thresholds (700, 10, 10) what a busy second had in flight survived into
+    the old generation fast enough for a full collection every 3 s, walking every
+    connection's objects: at 2,000 clients 15 % of the gateway's CPU and 0.2-0.3 s pauses,
+    which set the p99 of delivery (bench.delivery)."""
+    gc.set_threshold(50_000, 20, 10)
+
+
 def gateway_streams(cfg: EventConfig) -> list[GatewayStream]:
     return [GatewayStream(stream_options(s, cfg.translation), s.source_kind)
             for s in cfg.streams]
@@ -71,8 +90,8 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         port = cfg.gateway.port or free_port(cfg.gateway.host)
         app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,),
                          hls=hls_options(cfg.outputs))
-        server = _EmbeddedServer(uvicorn.Config(app, host=cfg.gateway.host, port=port,
-                                                log_level="warning", lifespan="on"))
+        server = _EmbeddedServer(gateway_config(app, cfg.gateway.host, port))
+        tune_gc()
         gateway = asyncio.create_task(_serve(server), name="gateway")
         while not server.started:
             if gateway.done():

@@ -42,7 +42,7 @@ from fastapi.responses import (
 )
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 
 from orchestrator import metrics
 from orchestrator.gateway.hub import CaptionHub, ClientQueue
@@ -83,7 +83,10 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        redis = Redis.from_url(redis_url)
+        # Clients that connect together (overlays reconnecting after a blip) read Redis
+        # together: wait for a pooled connection; redis-py's default pool (8.x) raises
+        # MaxConnectionsError past 100 and the WebSocket dies with it.
+        redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, max_connections=100))
         hub = CaptionHub(redis)
         await hub.start()
         bus = RedisBus(redis)
@@ -271,18 +274,19 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         clients: collections.Counter[tuple[str, str]] = state["clients"]
         clients[(stream_id, lang)] += 1
         sent = metrics.GATEWAY_MESSAGES.labels(stream=stream_id, lang=lang)
+        # Looked up once per connection: a labels() call per message showed in profiles.
+        delivery = {final: metrics.GATEWAY_CAPTION_DELIVERY.labels(
+            stream=stream_id, kind="final" if final else "partial") for final in (False, True)}
         last = since
         if last is None:
             latest = await bus().last_caption(stream_id, lang)
             last = latest.seq if latest else 0
 
-        async def send(seg: CaptionSegment) -> None:
+        async def send(seg: CaptionSegment, text: str | None = None) -> None:
             nonlocal last
-            await ws.send_text(caption_to_json(seg))
+            await ws.send_text(text if text is not None else caption_to_json(seg))
             sent.inc()
-            metrics.GATEWAY_CAPTION_DELIVERY.labels(
-                stream=stream_id, kind="final" if seg.is_final else "partial"
-            ).observe(max(0.0, time.time() - seg.audio_end_wall))
+            delivery[seg.is_final].observe(max(0.0, time.time() - seg.audio_end_wall))
             last = seg.seq
 
         async def replay_after(seq: int) -> None:
@@ -298,7 +302,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             await replay_after(last)
             dropped_seen = queue.dropped
             while True:
-                seg = await queue.get()
+                seg, text = await queue.get_with_text()
                 if seg.seq <= last:
                     continue  # already sent by the replay
                 if seg.seq > last + 1 and queue.dropped == dropped_seen:
@@ -307,7 +311,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
                     if seg.seq <= last:
                         continue
                 dropped_seen = queue.dropped
-                await send(seg)
+                await send(seg, text)
 
         async def watch_close() -> None:
             # Clients send nothing we need; reading tells us when they leave.

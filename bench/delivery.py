@@ -1,0 +1,844 @@
+"""Delivery benchmark: scripted captions → Redis → gateway → WebSocket clients, next to raw
+Redis pub/sub round trips on the same server in the same run.
+
+    python -m bench.delivery --json [--streams 200] [--clients 2000] [--seconds 30]
+                             [--repeat 1] [--plot FILE] [--profile-gateway FILE]
+
+It measures delivery, not recognition: no audio and no engine. A `ScriptedCaptionSource`
+per stream stands in for the ASR side and publishes, through `RedisBus.publish_caption`
+(XADD + PUBLISH, as an ASR actor does), `--rate` deltas per second: partials that grow by
+a word each, and a final every `--final-every` seconds. Each part runs in its own process,
+so that their CPU is counted apart:
+
+- redis-server (`LocalRedisServer`);
+- the gateway: the real `create_app`, served by uvicorn with the config and process
+  settings `babelcast run` uses, on plain asyncio as there (`--gateway-loop uvloop` to
+  compare);
+- the publisher (every stream's scripted source, one Redis client);
+- `--client-procs` processes (aiohttp) holding the `--clients` caption WebSockets, client i
+  on stream i mod N. Each connects with `since=0` before publishing starts, so it is owed
+  every publication of its stream, and reconnects from its last seq if dropped, as the
+  overlay does. They offer permessage-deflate, as browsers do (`--no-deflate`: not);
+- the Redis probe: PUBLISH → message on one channel at the publisher's total rate with a
+  payload of the same size, read as the gateway's hub reads (redis-py pub/sub,
+  `get_message`, plain asyncio). It runs alone for `--idle-probe` seconds, then during
+  the load.
+
+Latency is a client's receipt time minus the `emit_time` that the publisher stamps right
+before publishing (one machine, one clock). After the last publication the clients stop
+once nothing has come for `--drain` seconds, so a backlog shows as late, not lost. JSON:
+
+- `p50_ms`, `p99_ms`, `final_p99_ms`, `max_ms`: publish → client receipt, every message
+  (finals only);
+- `redis_rtt_p50_ms`, `redis_rtt_p99_ms`: the probe during the load; `ratio_p99` is
+  `p99_ms / redis_rtt_p99_ms`; `redis_rtt_idle_*`: the probe before the load;
+- `published`: segments published; `messages`: caption messages received by clients;
+  `offered_per_s` / `delivered_per_s`: messages owed to clients per second of load, and
+  those received by its end; `latency_trend_ms_per_s`: slope of the per-second median
+  latency, about 0 when the gateway keeps up and large when a backlog grows;
+- `interims_dropped`: interims the hub's slow-client policy dropped (its counter);
+  `missing_interims`: interims clients did not get; `lost`: finals clients did not get
+  plus missing interims beyond what the policy dropped (the policy never drops finals);
+  `duplicates`, `out_of_order`, `clients_failed`, `reconnects` should be 0;
+  `setup_retries`: handshakes refused before the load (see `--connect-burst`);
+- `cpu_percent`: per process (100 = one core) over the load; `host_cpu_percent`: the
+  whole machine, other users included (100 × cores at most);
+- `gateway_loop_lag_*`: how late a 5 ms sleep in the gateway's loop woke up;
+  `gateway_gc_*`: its cyclic GC pauses; `publisher_lag_p99_ms`: how late the scripted
+  source published against its schedule.
+
+With `--repeat R` the fields are medians over R fresh runs (every ratio taken within its
+own run) and `runs` lists each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import asyncio
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import resource
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.report import emit  # noqa: E402
+from bench.system import CLK_TCK, pct  # noqa: E402
+from workers.events import CaptionSegment  # noqa: E402
+
+LANG = "en"
+PROBE_CHANNEL = "bench:probe"
+SLOW_DROPS_METRIC = "babelcast_gateway_slow_client_drops_total"
+_SCRIPT = ("the speaker walks to the front of the hall and thanks everyone for coming so "
+           "early on a rainy morning then opens the first slide about caption delivery and "
+           "why latency matters for people who follow the talk with their eyes").split()
+
+
+# ---- the scripted source --------------------------------------------------------------------
+@dataclass
+class ScriptedCaptionSource:
+    """Stands in for the ASR side of one stream: a fixed script of words published as partials
+    that grow by one word per delta and a final every `deltas_per_final` deltas. The text
+    means nothing: this drives delivery, it never stands in for recognition."""
+
+    stream: str
+    lang: str
+    deltas_per_final: int
+    delta_s: float
+    seq: int = 0
+    segment_id: int = 0
+    revision: int = 0
+    word: int = 0
+    audio_s: float = 0.0
+
+    def next(self, now: float) -> CaptionSegment:
+        self.seq += 1
+        words = [_SCRIPT[(self.word + k) % len(_SCRIPT)] for k in range(self.revision + 1)]
+        text = " ".join(words)
+        final = self.revision + 1 >= self.deltas_per_final
+        seg = CaptionSegment(
+            stream=self.stream, lang=self.lang, segment_id=self.segment_id, seq=self.seq,
+            revision=self.revision, is_final=final, text=text,
+            stable_prefix_len=max(0, len(text) - 12), lines=_two_lines(text),
+            audio_start_s=self.audio_s, audio_end_s=self.audio_s + self.delta_s * (
+                self.revision + 1), audio_end_wall=now, emit_time=now)
+        if final:
+            self.audio_s = seg.audio_end_s
+            self.word += self.revision + 1
+            self.segment_id += 1
+            self.revision = 0
+        else:
+            self.revision += 1
+        return seg
+
+
+def _two_lines(text: str, width: int = 42) -> tuple[str, ...]:
+    lines: list[str] = []
+    for w in text.split():
+        if lines and len(lines[-1]) + 1 + len(w) <= width:
+            lines[-1] += " " + w
+        else:
+            lines.append(w)
+    return tuple(lines[-2:])
+
+
+# ---- child processes ------------------------------------------------------------------------
+def _raise_nofile(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = need + 256
+    if soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int, loop: str,
+                  conn: Connection) -> None:
+    """The gateway as `babelcast run` builds it (orchestrator/run.py), alone in its process,
+    on plain asyncio as there (or uvloop, to see what it would change). Beside it, two
+    diagnostics that report after it stops: the cyclic GC's pauses and the event loop's
+    lag (how late a 5 ms sleep wakes up), each with its wall time."""
+    import gc
+
+    import uvicorn
+
+    from orchestrator.gateway.app import GatewayStream, create_app
+    from workers.events import StreamOptions
+
+    _raise_nofile(clients)
+    streams = [GatewayStream(StreamOptions(stream_id=s, name=s, source="scripted",
+                                           language=LANG), "scripted") for s in stream_ids]
+    logging.basicConfig(level=logging.WARNING)  # as `babelcast` does: the hub's warnings show
+    app = create_app(redis_url, streams, "bench delivery", ())
+    # Served as `babelcast run` serves it: its uvicorn config and process settings, where
+    # orchestrator/run.py has them as functions; else what run_event builds inline.
+    try:
+        from orchestrator.run import gateway_config  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                lifespan="on")
+    else:
+        config = gateway_config(app, "127.0.0.1", port)
+    with contextlib.suppress(ImportError):
+        from orchestrator.run import tune_gc  # type: ignore[attr-defined,unused-ignore]
+
+        tune_gc()
+    server = uvicorn.Server(config)
+    gc_pauses: list[tuple[float, float, float, int]] = []  # wall time, pause, its CPU, gen
+    lags: list[tuple[float, float]] = []
+    gc_start = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_start[:] = time.perf_counter(), time.thread_time()
+        else:
+            gc_pauses.append((time.time(), time.perf_counter() - gc_start[0],
+                              time.thread_time() - gc_start[1], info["generation"]))
+
+    async def watch_lag() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.005)
+            lags.append((time.time(), time.perf_counter() - t - 0.005))
+
+    async def serve() -> None:
+        watcher = asyncio.create_task(watch_lag())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    gc.callbacks.append(on_gc)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT that stops it
+        if loop == "uvloop":
+            import uvloop
+
+            uvloop.run(serve())
+        else:
+            asyncio.run(serve())
+    conn.send({"gc": gc_pauses, "lag": lags, "gc_threshold": gc.get_threshold(),
+               "ws_deflate": config.ws_per_message_deflate})
+
+
+def _publisher_main(redis_url: str, stream_ids: list[str], rate: float, final_every_s: float,
+                    start_at: float, seconds: float, conn: Connection) -> None:
+    coro = _publish(redis_url, stream_ids, rate, final_every_s, start_at, seconds)
+    try:
+        import uvloop  # the scripted source is harness: let it cost little
+    except ImportError:
+        conn.send(asyncio.run(coro))
+    else:
+        conn.send(uvloop.run(coro))
+
+
+async def _publish(redis_url: str, stream_ids: list[str], rate: float, final_every_s: float,
+                   start_at: float, seconds: float) -> dict[str, Any]:
+    from redis.asyncio import Redis
+
+    from workers.bus import RedisBus
+
+    # One publication in flight per stream; redis-py >= 6 raises past its pool (100 by default).
+    redis = Redis.from_url(redis_url, max_connections=len(stream_ids) + 8)
+    bus = RedisBus(redis)
+    period = 1.0 / rate
+    finals: dict[str, bytearray] = {}  # per stream, byte seq-1: 1 for a final
+    lags: list[float] = []
+
+    async def one(i: int, stream: str) -> None:
+        src = ScriptedCaptionSource(stream, LANG, max(1, round(final_every_s * rate)), period)
+        flags = finals[stream] = bytearray()
+        # Streams start spread over one period so that publications are not in step.
+        due = start_at + period * i / len(stream_ids)
+        while due < start_at + seconds:
+            await asyncio.sleep(max(0.0, due - time.time()))
+            now = time.time()
+            lags.append(now - due)
+            seg = src.next(now)
+            await bus.publish_caption(seg)
+            flags.append(1 if seg.is_final else 0)
+            due += period
+
+    # Open the pool's connections before the clock starts: a first publish that connects
+    # would count the connect as delivery latency.
+    await asyncio.gather(*(redis.ping() for _ in stream_ids))
+    try:
+        await asyncio.gather(*(one(i, s) for i, s in enumerate(stream_ids)))
+    finally:
+        await redis.aclose()
+    return {"finals": {s: bytes(f) for s, f in finals.items()},
+            "lag_p99_ms": _pct_ms(lags, 0.99)}
+
+
+def _probe_main(redis_url: str, rate: float, payload_bytes: int, phases: list[tuple[float, float]],
+                conn: Connection) -> None:
+    conn.send(asyncio.run(_probe(redis_url, rate, payload_bytes, phases)))
+
+
+async def _probe(redis_url: str, rate: float, payload_bytes: int,
+                 phases: list[tuple[float, float]]) -> dict[str, list[list[float]]]:
+    """PUBLISH → message round trips (seconds) in each (start, end) wall-clock phase. The
+    publishing side is spread like the scripted sources (senders staggered over a period);
+    the reading side reads like the gateway's hub."""
+    from redis.asyncio import Redis
+
+    pub = Redis.from_url(redis_url)
+    sub = Redis.from_url(redis_url)
+    pubsub = sub.pubsub()
+    await pubsub.subscribe(PROBE_CHANNEL)
+    pad = "x" * max(0, payload_bytes - 40)
+    rtts: list[list[float]] = [[] for _ in phases]
+    sent: list[list[float]] = [[] for _ in phases]
+
+    async def read() -> None:
+        while True:
+            msg = await pubsub.get_message(timeout=1.0)
+            if msg is None or msg["type"] != "message":
+                continue
+            now = time.time()
+            data = json.loads(msg["data"])
+            rtts[data["p"]].append(now - data["t"])
+            sent[data["p"]].append(data["t"])
+
+    senders = 20
+
+    async def send(k: int) -> None:
+        period = senders / rate
+        for p, (start, end) in enumerate(phases):
+            due = start + period * k / senders
+            while due < end:
+                await asyncio.sleep(max(0.0, due - time.time()))
+                await pub.publish(PROBE_CHANNEL, json.dumps({"p": p, "t": time.time(),
+                                                             "pad": pad}))
+                due += period
+
+    reader = asyncio.create_task(read())
+    await asyncio.gather(*(pub.ping() for _ in range(senders)))  # connected before the clock
+    try:
+        await asyncio.gather(*(send(k) for k in range(senders)))
+        await asyncio.sleep(1.0)  # the last round trips land
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await sub.aclose()
+        await pub.aclose()
+    return {"rtt": rtts, "sent": sent}
+
+
+@dataclass
+class _Client:
+    stream: int
+    got: bytearray = field(default_factory=bytearray)  # byte seq-1: 1 once received
+    duplicates: int = 0
+    out_of_order: int = 0
+    last_seq: int = 0
+
+
+def _clients_main(base: str, stream_ids: list[str], indices: list[int], deflate: bool,
+                  burst: int, conn: Connection) -> None:
+    _raise_nofile(len(indices))
+    try:
+        import uvloop  # the measuring side should cost as little as it can
+    except ImportError:
+        asyncio.run(_clients(base, stream_ids, indices, deflate, burst, conn))
+    else:
+        uvloop.run(_clients(base, stream_ids, indices, deflate, burst, conn))
+
+
+async def _clients(base: str, stream_ids: list[str], indices: list[int], deflate: bool,
+                   burst: int, conn: Connection) -> None:
+    # aiohttp rather than websockets here: its reader is compiled, and the clients share
+    # the machine with the gateway they measure (about 12 µs a message against 25).
+    import aiohttp
+
+    emitted = array.array("d")  # per message received: its emit_time,
+    lat = array.array("d")  # publish → receipt (seconds),
+    finals = bytearray()  # and 1 for a final
+    clients = [_Client(i % len(stream_ids)) for i in indices]
+    up = asyncio.Event()
+    connected = failed = setup_retries = reconnects = 0
+    errors: list[str] = []
+    load_start = float("inf")
+    last_rx = time.time()
+    # Handshakes in flight at a time: each makes the gateway read Redis, and redis-py's
+    # default pool raises past 100 connections instead of waiting (the client retries and
+    # `setup_retries` counts it).
+    gate = asyncio.Semaphore(burst)
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    def handle(c: _Client, raw: str, now: float) -> None:
+        nonlocal last_rx
+        last_rx = now
+        msg = json.loads(raw)
+        if msg.get("type") != "caption":
+            errors.append(f"server: {msg.get('code')}")
+            return
+        seq = msg["seq"]
+        emitted.append(msg["emit_time"])
+        lat.append(now - msg["emit_time"])
+        finals.append(msg["is_final"])
+        if seq > len(c.got):
+            c.got.extend(bytes(seq - len(c.got)))
+        if c.got[seq - 1]:
+            c.duplicates += 1
+        c.got[seq - 1] = 1
+        if seq < c.last_seq:
+            c.out_of_order += 1
+        c.last_seq = max(c.last_seq, seq)
+
+    async def client(c: _Client) -> None:
+        nonlocal connected, failed, setup_retries, reconnects
+        first = True
+        for _ in range(20):
+            # Like the overlay: (re)connect from the last seq seen; since=0 at first, so a
+            # client that connects late still gets everything of its stream.
+            url = (base.replace("http://", "ws://") + f"/v1/streams/{stream_ids[c.stream]}"
+                   f"/captions?lang={LANG}&since={c.last_seq}")
+            try:
+                async with gate:
+                    # autoping on: uvicorn pings every 20 s and closes (1011) a client that
+                    # does not answer, and browsers answer.
+                    ws = await session.ws_connect(url, max_msg_size=0,
+                                                  compress=15 if deflate else 0,
+                                                  timeout=aiohttp.ClientWSTimeout(ws_close=1))
+                if first:
+                    first = False
+                    connected += 1
+                    if connected + failed == len(clients):
+                        up.set()
+                async with ws:
+                    async for m in ws:
+                        if m.type == aiohttp.WSMsgType.TEXT:
+                            handle(c, m.data, time.time())
+                    errors.append(f"closed {ws.close_code}")
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                errors.append(type(exc).__name__)
+            if time.time() >= load_start:
+                reconnects += 1
+            else:
+                setup_retries += 1
+            await asyncio.sleep(0.2)
+        if first:
+            failed += 1
+            if connected + failed == len(clients):
+                up.set()
+
+    tasks = [asyncio.create_task(client(c)) for c in clients]
+    await up.wait()
+    conn.send(("ready", connected, failed))
+    load_start = await asyncio.to_thread(conn.recv)
+    quiet_s, max_s = await asyncio.to_thread(conn.recv)  # the publisher is done
+    # Drained when nothing came for quiet_s: a backlog still in the gateway is late, not lost.
+    for _ in range(int(max_s * 10)):
+        if time.time() - last_rx >= quiet_s:
+            break
+        await asyncio.sleep(0.1)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await session.close()
+    conn.send({"emitted": emitted.tobytes(), "lat": lat.tobytes(), "finals": bytes(finals),
+               "clients": [(c.stream, bytes(c.got), c.duplicates, c.out_of_order)
+                           for c in clients],
+               "failed": failed, "setup_retries": setup_retries, "reconnects": reconnects,
+               "errors": sorted(set(errors))[:8]})
+
+
+# ---- the run --------------------------------------------------------------------------------
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, all) CPU ticks of the whole machine, every core."""
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:9]]
+    return sum(cpu) - cpu[3] - cpu[4], sum(cpu)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _pct_ms(seconds: list[float] | array.array[float], q: float) -> float | None:
+    """The q-quantile of values in seconds, in ms (`pct` rounds to 1e-3 of its unit)."""
+    return pct([v * 1000 for v in seconds], q)
+
+
+def _trend_ms_per_s(emitted: array.array[float], lat: array.array[float],
+                    start: float) -> float | None:
+    """Slope of the per-second median latency over the load: about 0 when the gateway keeps
+    up, about 1000 × (1 − delivered/offered) when a backlog grows."""
+    import numpy as np
+
+    if len(lat) < 2:
+        return None
+    t = np.frombuffer(emitted, dtype=np.float64) - start
+    v = np.frombuffer(lat, dtype=np.float64) * 1000
+    bins = np.floor(t).astype(int)
+    xs = np.unique(bins)
+    if xs.size < 2:
+        return None
+    ys = [float(np.median(v[bins == x])) for x in xs]
+    return round(float(np.polyfit(xs, ys, 1)[0]), 2)
+
+
+def _read_counter(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@dataclass
+class Params:
+    streams: int
+    clients: int
+    seconds: float
+    rate: float
+    final_every_s: float
+    client_procs: int
+    idle_probe_s: float
+    drain_s: float
+    drain_max_s: float = 120.0
+    gateway_loop: str = "asyncio"
+    deflate: bool = True
+    connect_burst: int = 10
+    probe_rate: float | None = None
+    profile_gateway: str | None = None
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[list[multiprocessing.process.BaseProcess]]:
+    procs: list[multiprocessing.process.BaseProcess] = []
+    try:
+        yield procs
+    finally:
+        for p in reversed(procs):
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGINT)
+                p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def run_once(prm: Params) -> dict[str, Any]:
+    import subprocess
+
+    import httpx
+
+    import orchestrator.gateway.hub as hub_module
+    from orchestrator.redis_server import LocalRedisServer, free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    stream_ids = [f"s{i:03d}" for i in range(prm.streams)]
+    redis_server = LocalRedisServer()
+    redis_url = redis_server.start()
+    redis_pid = redis_server._proc.pid if redis_server._proc else 0
+    profiler: subprocess.Popen[bytes] | None = None
+    try:
+        with _processes() as procs:
+            port = free_port()
+            base = f"http://127.0.0.1:{port}"
+            gw_conn, gw_theirs = ctx.Pipe()
+            gateway = ctx.Process(target=_gateway_main, name="gateway",
+                                  args=(redis_url, stream_ids, port, prm.clients,
+                                        prm.gateway_loop, gw_theirs))
+            gateway.start()
+            gw_theirs.close()
+            procs.append(gateway)
+            deadline = time.monotonic() + 60
+            with httpx.Client(base_url=base) as http:
+                while True:
+                    try:
+                        if http.get("/healthz", timeout=1).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if not gateway.is_alive() or time.monotonic() > deadline:
+                        raise RuntimeError("the gateway did not start")
+                    time.sleep(0.2)
+                drops_before = _read_counter(http.get("/metrics").text, SLOW_DROPS_METRIC)
+
+            client_conns: list[Connection] = []
+            for k in range(prm.client_procs):
+                indices = list(range(k, prm.clients, prm.client_procs))
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=_clients_main, name=f"clients-{k}",
+                                args=(base, stream_ids, indices, prm.deflate,
+                                      prm.connect_burst, theirs))
+                p.start()
+                theirs.close()  # so that a dead child reads as EOFError, not a hang
+                procs.append(p)
+                client_conns.append(mine)
+            connected = failed_connect = 0
+            for c in client_conns:
+                _, ok, bad = c.recv()
+                connected += ok
+                failed_connect += bad
+
+            probe_rate = prm.probe_rate or prm.rate * prm.streams
+            idle_start = time.time() + 1.0
+            load_start = idle_start + prm.idle_probe_s + 0.5
+            load_end = load_start + prm.seconds
+            phases = [(load_start, load_end)]
+            if prm.idle_probe_s > 0:
+                phases.insert(0, (idle_start, idle_start + prm.idle_probe_s))
+            payload = len(_sample_payload(prm))
+            for c in client_conns:
+                c.send(load_start)
+            probe_conn, probe_theirs = ctx.Pipe()
+            probe = ctx.Process(target=_probe_main, name="probe",
+                                args=(redis_url, probe_rate, payload, phases, probe_theirs))
+            probe.start()
+            probe_theirs.close()
+            procs.append(probe)
+            pub_conn, pub_theirs = ctx.Pipe()
+            publisher = ctx.Process(target=_publisher_main, name="publisher",
+                                    args=(redis_url, stream_ids, prm.rate, prm.final_every_s,
+                                          load_start, prm.seconds, pub_theirs))
+            publisher.start()
+            pub_theirs.close()
+            procs.append(publisher)
+
+            time.sleep(max(0.0, load_start - time.time()))
+            if prm.profile_gateway:
+                profiler = _start_profiler(gateway.pid or 0, prm.seconds, prm.profile_gateway)
+            watched: dict[str, list[int | None]] = {
+                "gateway": [gateway.pid], "publisher": [publisher.pid],
+                "redis_probe": [probe.pid], "redis_server": [redis_pid],
+                "clients": [p.pid for p in procs if p.name.startswith("clients")]}
+            cpu0 = {k: sum(_cpu_s(p or 0) for p in v) for k, v in watched.items()}
+            host0, t0 = _host_ticks(), time.monotonic()
+            published = pub_conn.recv()
+            cpu1 = {k: sum(_cpu_s(p or 0) for p in v) for k, v in watched.items()}
+            host1, t1 = _host_ticks(), time.monotonic()
+            for c in client_conns:
+                c.send((prm.drain_s, prm.drain_max_s))
+            got = [c.recv() for c in client_conns]
+            drained = time.time() - load_end
+            with httpx.Client(base_url=base) as http:
+                drops_after = _read_counter(http.get("/metrics").text, SLOW_DROPS_METRIC)
+            probed = probe_conn.recv()
+            stopping = time.monotonic()
+            os.kill(gateway.pid or 0, signal.SIGINT)
+            gw_diag = gw_conn.recv() if gw_conn.poll(60) else {"gc": [], "lag": [],
+                                                                "gc_threshold": None,
+                                                                "ws_deflate": None}
+            shutdown_s = time.monotonic() - stopping
+            gateway.join(30)  # its exit handlers (Ray's, where run.py is imported) finish
+    finally:
+        if profiler is not None:
+            profiler.wait(30)
+        redis_server.stop()
+
+    wall = t1 - t0
+    finals: dict[str, bytes] = published["finals"]
+    emitted = array.array("d")
+    lat = array.array("d")
+    msg_final = bytearray()
+    missing_finals = missing_interims = duplicates = out_of_order = 0
+    for part in got:
+        emitted.frombytes(part["emitted"])
+        lat.frombytes(part["lat"])
+        msg_final += part["finals"]
+        for stream, got_seqs, dup, ooo in part["clients"]:
+            duplicates += dup
+            out_of_order += ooo
+            for seq0, final in enumerate(finals[stream_ids[stream]]):
+                if seq0 >= len(got_seqs) or not got_seqs[seq0]:
+                    if final:
+                        missing_finals += 1
+                    else:
+                        missing_interims += 1
+    all_lat = list(lat)
+    expected = sum(len(finals[stream_ids[i % prm.streams]]) for i in range(prm.clients))
+    lat_final = [v for v, f in zip(lat, msg_final, strict=True) if f]
+    window = (load_start, load_end + drained)
+    loop_lag = [v for t, v in gw_diag["lag"] if window[0] <= t <= window[1]]
+    gc_load = [(v, cpu, gen) for t, v, cpu, gen in gw_diag["gc"] if window[0] <= t <= window[1]]
+    dropped = (None if drops_after is None else int(drops_after - (drops_before or 0)))
+    lost = missing_finals + max(0, missing_interims - (dropped or 0))
+    rtts = probed["rtt"]
+    load_rtt = rtts[-1]
+    p99 = _pct_ms(all_lat, 0.99)
+    rtt_p99 = _pct_ms(load_rtt, 0.99)
+    result: dict[str, Any] = {
+        "streams": prm.streams, "clients": prm.clients, "seconds": prm.seconds,
+        "rate_per_stream": prm.rate, "final_every_s": prm.final_every_s,
+        "client_procs": prm.client_procs,
+        "p50_ms": _pct_ms(all_lat, 0.5), "p99_ms": p99,
+        "final_p99_ms": _pct_ms(lat_final, 0.99),
+        "max_ms": _ms(max(all_lat)) if all_lat else None,
+        "redis_rtt_p50_ms": _pct_ms(load_rtt, 0.5), "redis_rtt_p99_ms": rtt_p99,
+        "ratio_p99": round(p99 / rtt_p99, 2) if p99 and rtt_p99 else None,
+        "redis_rtt_idle_p50_ms": _pct_ms(rtts[0], 0.5) if len(rtts) > 1 else None,
+        "redis_rtt_idle_p99_ms": _pct_ms(rtts[0], 0.99) if len(rtts) > 1 else None,
+        "published": sum(len(f) for f in finals.values()),
+        "messages": len(all_lat),
+        "offered_per_s": round(expected / prm.seconds),
+        "delivered_per_s": round(sum(1 for e, v in zip(emitted, lat, strict=True)
+                                     if e + v <= load_end) / prm.seconds),
+        "latency_trend_ms_per_s": _trend_ms_per_s(emitted, lat, load_start),
+        "expected": expected,
+        "lost": lost, "missing_finals": missing_finals, "missing_interims": missing_interims,
+        "interims_dropped": dropped, "duplicates": duplicates, "out_of_order": out_of_order,
+        "clients_connected": connected,
+        "clients_failed": failed_connect,
+        "reconnects": sum(p["reconnects"] for p in got),
+        "setup_retries": sum(p["setup_retries"] for p in got),
+        "client_errors": sorted({e for p in got for e in p["errors"]}),
+        "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu0},
+        "host_cpu_percent": round(100 * (os.cpu_count() or 1) * (host1[0] - host0[0]) /
+                                  max(1, host1[1] - host0[1]), 1),
+        "cores": os.cpu_count(),
+        "gateway_loop": prm.gateway_loop, "client_deflate": prm.deflate,
+        "gateway_ws_deflate": gw_diag["ws_deflate"], "gateway_gc_threshold": gw_diag[
+            "gc_threshold"],
+        "gateway_loop_lag_p99_ms": _pct_ms(loop_lag, 0.99),
+        "gateway_loop_lag_max_ms": _ms(max(loop_lag)) if loop_lag else None,
+        "gateway_gc_pause_max_ms": _ms(max(v for v, _, _ in gc_load)) if gc_load else None,
+        "gateway_gc_cpu_max_ms": _ms(max(c for _, c, _ in gc_load)) if gc_load else None,
+        "gateway_gc_full_per_s": round(sum(1 for _, _, g in gc_load if g == 2) / wall, 2),
+        "gateway_gc_s_per_s": round(sum(c for _, c, _ in gc_load) / wall, 4),
+        "publisher_lag_p99_ms": published["lag_p99_ms"],
+        "drain_s": round(drained, 1), "gateway_shutdown_s": round(shutdown_s, 1),
+        "probe_rate": probe_rate, "probe_payload_bytes": payload,
+        "gateway_code": str(Path(hub_module.__file__).resolve().parent),
+        "_lat": all_lat, "_emitted": list(emitted), "_rtt": load_rtt,
+        "_rtt_idle": rtts[0] if len(rtts) > 1 else [], "_load_start": load_start,
+        "_rtt_sent": probed["sent"][-1],
+    }
+    return result
+
+
+def _sample_payload(prm: Params) -> str:
+    from workers.bus import caption_to_json
+
+    src = ScriptedCaptionSource("s000", LANG, max(1, round(prm.final_every_s * prm.rate)),
+                                1 / prm.rate)
+    segs = [src.next(time.time()) for _ in range(src.deltas_per_final)]
+    return caption_to_json(segs[len(segs) // 2])
+
+
+def _start_profiler(pid: int, seconds: float, out: str) -> Any:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    fmt = "raw" if out.endswith(".txt") else "speedscope" if out.endswith(".json") else \
+        "flamegraph"
+    return subprocess.Popen([exe, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200",
+                             "--nonblocking", "-f", fmt, "-o", out],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, bool) or not isinstance(value, int | float | dict):
+            out[key] = value
+        elif isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in runs) for k in value}
+        elif all(r[key] is not None for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+        else:
+            out[key] = None
+    return out
+
+
+def plot(path: str, runs: list[dict[str, Any]], prm: Params) -> None:
+    """Left: CDFs of delivery latency and of the Redis probe. Right: p50 and p99 per second
+    of the load, by publish time, so that a transient shows apart from a steady state."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (cdf, series) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for k, r in enumerate(runs):
+        tag = f" (run {k + 1})" if len(runs) > 1 else ""
+        for key, label, style in (("_lat", "publish → WebSocket client", "-"),
+                                  ("_rtt", "Redis PUBLISH → message, same load", "--"),
+                                  ("_rtt_idle", "Redis PUBLISH → message, idle", ":")):
+            values = np.sort(np.asarray(r[key]) * 1000)
+            if values.size:
+                cdf.plot(values, np.arange(1, values.size + 1) / values.size, style,
+                         label=label + tag, color=f"C{k}" if len(runs) > 1 else None)
+        for times, key, label, style in (("_emitted", "_lat", "client", "-"),
+                                         ("_rtt_sent", "_rtt", "Redis probe", "--")):
+            t = np.asarray(r[times]) - r["_load_start"]
+            v = np.asarray(r[key]) * 1000
+            bins = np.floor(t).astype(int)
+            xs = np.unique(bins)
+            for q, marker in ((50, "."), (99, "^")) if len(runs) == 1 else ((99, "^"),):
+                ys = [np.percentile(v[bins == x], q) for x in xs]
+                series.plot(xs + 0.5, ys, style, marker=marker, ms=3,
+                            label=f"{label} p{q}{tag}", color=f"C{k}" if len(runs) > 1 else None)
+    cdf.set_xscale("log")
+    cdf.axhline(0.99, color="grey", lw=0.6, ls=":")
+    cdf.set_xlabel("latency (ms, log)")
+    cdf.set_ylabel("fraction of messages")
+    cdf.legend(fontsize=6, loc="lower right")
+    series.set_yscale("log")
+    series.set_xlabel("seconds into the load (publish time)")
+    series.set_ylabel("latency per second (ms, log)")
+    series.legend(fontsize=6, loc="upper left")
+    fig.suptitle(f"bench.delivery: {prm.streams} streams, {prm.clients} clients, "
+                 f"{prm.rate:g} deltas/s per stream, {prm.seconds:g} s, gateway on "
+                 f"{prm.gateway_loop}")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=2000)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--rate", type=float, default=12.5, help="caption deltas/s per stream")
+    ap.add_argument("--final-every", type=float, default=2.0, help="seconds between finals")
+    ap.add_argument("--client-procs", type=int, default=2)
+    ap.add_argument("--idle-probe", type=float, default=3.0,
+                    help="seconds of Redis probe alone before the load (0: none)")
+    ap.add_argument("--drain", type=float, default=2.0,
+                    help="after the last publication, the clients stop once nothing came for "
+                         "this long (at most --drain-max seconds)")
+    ap.add_argument("--drain-max", type=float, default=120.0)
+    ap.add_argument("--gateway-loop", default="asyncio", choices=["asyncio", "uvloop"],
+                    help="the gateway's event loop (`babelcast run` uses asyncio)")
+    ap.add_argument("--no-deflate", dest="deflate", action="store_false",
+                    help="clients do not offer permessage-deflate (browsers and `websockets` "
+                         "do, so they do by default)")
+    ap.add_argument("--connect-burst", type=int, default=10,
+                    help="handshakes in flight at a time per client process")
+    ap.add_argument("--probe-rate", type=float, default=None,
+                    help="Redis probe messages/s (default: the publisher's total rate)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--plot", default=None, help="write a latency CDF (PNG) here")
+    ap.add_argument("--profile-gateway", default=None,
+                    help="py-spy record the gateway during the load into this file (.svg "
+                         "flamegraph, .txt collapsed stacks, .json speedscope)")
+    args = ap.parse_args()
+    prm = Params(args.streams, args.clients, args.seconds, args.rate, args.final_every,
+                 max(1, min(args.client_procs, args.clients)), args.idle_probe, args.drain,
+                 args.drain_max, args.gateway_loop, args.deflate, args.connect_burst,
+                 args.probe_rate, args.profile_gateway)
+    runs = [run_once(prm) for _ in range(max(1, args.repeat))]
+    if args.plot:
+        plot(args.plot, runs, prm)
+    for r in runs:
+        for key in [k for k in r if k.startswith("_")]:
+            r.pop(key)
+    result = _median(runs) if len(runs) > 1 else runs[0]
+    if len(runs) > 1:
+        result["repeat"] = len(runs)
+        result["runs"] = [{k: r[k] for k in ("p50_ms", "p99_ms", "redis_rtt_p99_ms",
+                                             "ratio_p99", "lost", "interims_dropped",
+                                             "cpu_percent", "host_cpu_percent")} for r in runs]
+    emit(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
