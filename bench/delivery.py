@@ -696,8 +696,11 @@ def run_once(prm: Params) -> dict[str, Any]:
             "gc_threshold"],
         "gateway_loop_lag_p99_ms": _pct_ms(loop_lag, 0.99),
         "gateway_loop_lag_max_ms": _ms(max(loop_lag)) if loop_lag else None,
-        "gateway_gc_pause_max_ms": _ms(max(v for v, _, _ in gc_load)) if gc_load else None,
-        "gateway_gc_cpu_max_ms": _ms(max(c for _, c, _ in gc_load)) if gc_load else None,
+        # 0 when no collection ran during the load; None when the gateway did not report.
+        "gateway_gc_pause_max_ms": _ms(max((v for v, _, _ in gc_load), default=0.0))
+        if gw_diag["gc_threshold"] else None,
+        "gateway_gc_cpu_max_ms": _ms(max((c for _, c, _ in gc_load), default=0.0))
+        if gw_diag["gc_threshold"] else None,
         "gateway_gc_full_per_s": round(sum(1 for _, _, g in gc_load if g == 2) / wall, 2),
         "gateway_gc_s_per_s": round(sum(c for _, c, _ in gc_load) / wall, 4),
         "publisher_lag_p99_ms": published["lag_p99_ms"],
