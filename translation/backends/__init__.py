@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from translation.backends import apertium, bergamot
 from translation.backends.base import BackendError, Translator
-from translation.backends.openai_chat import OpenAIChatOptions
-from translation.backends.vllm_chat import VllmChatOptions
+from translation.backends.openai_chat import OpenAIChatOptions, OpenAIChatTranslator
+from translation.backends.vllm_chat import VllmChatOptions, VllmChatTranslator
 
 KINDS = ("embedded", "bergamot", "apertium", "openai-chat", "vllm")
 LLM_KINDS = ("openai-chat", "vllm")
@@ -90,14 +90,10 @@ def build(name: str, settings: BackendSettings) -> Translator:
     if name == "apertium":
         return apertium.ApertiumTranslator(timeout_s=settings.timeout_s)
     if name == "openai-chat":
-        from translation.backends.openai_chat import OpenAIChatTranslator
-
         if settings.openai is None:
             raise BackendError("backend openai-chat needs translation.openai (url, model)")
         return OpenAIChatTranslator(settings.openai)
     if name == "vllm":
-        from translation.backends.vllm_chat import VllmChatTranslator
-
         if settings.vllm is None:
             raise BackendError("backend vllm needs translation.vllm (model)")
         return VllmChatTranslator(settings.vllm)
