@@ -16,7 +16,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from workers.bus import JOBS_KEY, job_from_json
+from workers.bus import JOBS_KEY, as_str, job_from_json
 from workers.events import TranslationJob
 
 log = logging.getLogger(__name__)
@@ -31,10 +31,6 @@ class Delivery:
     """None: the entry could not be decoded (acked and counted, never retried)."""
     claimed: bool = False
     """True when re-claimed from another (dead or stuck) consumer."""
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
 
 
 class JobQueue:
@@ -60,16 +56,16 @@ class JobQueue:
         out: list[Delivery] = []
         for entry_id, fields in entries:
             if fields is None:  # deleted (trimmed) while pending
-                out.append(Delivery(_s(entry_id), None, claimed))
+                out.append(Delivery(as_str(entry_id), None, claimed))
                 continue
             try:
                 job: TranslationJob | None = job_from_json(fields[b"d"])
             except (KeyError, ValueError, TypeError) as exc:
                 self.undecodable += 1
-                log.warning("undecodable translation job %s: %s", _s(entry_id),
+                log.warning("undecodable translation job %s: %s", as_str(entry_id),
                             type(exc).__name__)
                 job = None
-            out.append(Delivery(_s(entry_id), job, claimed))
+            out.append(Delivery(as_str(entry_id), job, claimed))
         return out
 
     def reread_pending(self) -> None:
@@ -94,11 +90,11 @@ class JobQueue:
         resp = await self.redis.xautoclaim(JOBS_KEY, GROUP, self.consumer,
                                            min_idle_time=self.claim_idle_ms,
                                            start_id=self._claim_cursor, count=count)
-        next_id, entries = _s(resp[0]), resp[1]
+        next_id, entries = as_str(resp[0]), resp[1]
         self._claim_cursor = next_id
         deleted = resp[2] if len(resp) > 2 else []
         out = self._decode(entries, claimed=True)
-        out += [Delivery(_s(d), None, True) for d in deleted]
+        out += [Delivery(as_str(d), None, True) for d in deleted]
         return out
 
     async def ack(self, entry_ids: list[str]) -> None:
@@ -109,7 +105,7 @@ class JobQueue:
         """Queue figures for metrics: pending (read, not acked), lag (not yet read),
         and the age in seconds of the oldest job not acked."""
         groups = await self.redis.xinfo_groups(JOBS_KEY)
-        info = next((g for g in groups if _s(g["name"]) == GROUP), None)
+        info = next((g for g in groups if as_str(g["name"]) == GROUP), None)
         if info is None:
             return {"pending": 0, "lag": 0, "oldest_age_s": 0.0}
         pending = int(info.get("pending", 0))
@@ -117,11 +113,11 @@ class JobQueue:
         oldest_id: str | None = None
         if pending:
             summary = await self.redis.xpending(JOBS_KEY, GROUP)
-            oldest_id = _s(summary["min"]) if summary.get("min") else None
+            oldest_id = as_str(summary["min"]) if summary.get("min") else None
         elif lag:
-            last = _s(info.get("last-delivered-id", "0-0"))
+            last = as_str(info.get("last-delivered-id", "0-0"))
             after = await self.redis.xrange(JOBS_KEY, min=f"({last}", count=1)
-            oldest_id = _s(after[0][0]) if after else None
+            oldest_id = as_str(after[0][0]) if after else None
         age = 0.0
         if oldest_id is not None:
             t = await self.redis.time()

@@ -146,7 +146,7 @@ class RedisBus:
             maxlen=AUDIO_MAXLEN,
             approximate=True,
         )
-        return _s(entry_id)
+        return as_str(entry_id)
 
     async def add_gap(self, gap: AudioGap) -> str:
         entry_id = await self.redis.xadd(
@@ -161,7 +161,7 @@ class RedisBus:
             maxlen=AUDIO_MAXLEN,
             approximate=True,
         )
-        return _s(entry_id)
+        return as_str(entry_id)
 
     async def last_audio_end(self, stream: str) -> tuple[int, float | None]:
         """Where the stream's audio clock stands and the wall time of that point
@@ -177,7 +177,7 @@ class RedisBus:
 
     async def last_audio_id(self, stream: str) -> str:
         entries = await self.redis.xrevrange(audio_key(stream), count=1)
-        return _s(entries[0][0]) if entries else "0-0"
+        return as_str(entries[0][0]) if entries else "0-0"
 
     async def read_audio(
         self, cursors: Mapping[str, str], block_ms: int = 500, count: int = 50
@@ -194,14 +194,14 @@ class RedisBus:
         )
         out: list[tuple[str, str, AudioItem | None]] = []
         for key, entries in resp or []:
-            stream = _s(key).split(":", 1)[1]
+            stream = as_str(key).split(":", 1)[1]
             for entry_id, fields in entries:
                 try:
-                    out.append((stream, _s(entry_id), _decode_audio(stream, fields)))
+                    out.append((stream, as_str(entry_id), _decode_audio(stream, fields)))
                 except (KeyError, ValueError) as exc:
                     self.undecodable += 1
                     log.warning("skipping undecodable audio entry on %s: %s", stream, exc)
-                    out.append((stream, _s(entry_id), None))
+                    out.append((stream, as_str(entry_id), None))
         return out
 
     # ---- captions ----------------------------------------------------------
@@ -235,7 +235,7 @@ class RedisBus:
     async def enqueue_job(self, job: TranslationJob) -> str:
         entry_id = await self.redis.xadd(JOBS_KEY, {"d": job_to_json(job)},
                                          maxlen=JOBS_MAXLEN, approximate=True)
-        return _s(entry_id)
+        return as_str(entry_id)
 
     async def last_caption(self, stream: str, lang: str) -> CaptionSegment | None:
         entries = await self.redis.xrevrange(captions_key(stream, lang), count=1)
@@ -274,8 +274,8 @@ class RedisBus:
 
     async def get_status(self, stream: str) -> dict[str, str]:
         raw = await self.redis.hgetall(status_key(stream))
-        return {_s(k): _s(v) for k, v in raw.items()}
+        return {as_str(k): as_str(v) for k, v in raw.items()}
 
 
-def _s(value: bytes | str) -> str:
+def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
