@@ -110,6 +110,7 @@ class _Gen:
     accept_from_s: float = 0.0
     accept_until_s: float | None = None
     last_end_s: float = 0.0
+    last_start_s: float = 0.0
     last_words: list[str] = field(default_factory=list)
     held: list[TranscriptDelta] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
@@ -248,6 +249,7 @@ class SessionManager(RecognizeSession):
             self._seam_gen = -1  # the seam is crossed once real words follow it
         if committed:
             gen.last_end_s = max(gen.last_end_s, committed[-1].end_s)
+            gen.last_start_s = max(gen.last_start_s, committed[-1].start_s)
             gen.last_words = ([*gen.last_words, *(norm(w.text) for w in committed)])[-8:]
         chars = sum(len(w.text.strip()) for w in committed + tentative)
         if chars and self.pos is not None:
@@ -291,9 +293,11 @@ class SessionManager(RecognizeSession):
         assert old is not None and new is not None and self._switch_at is not None
         await self._close(old)
         self._start_seam(old, new)
-        # A forced switch may pick a pause the old session has already captioned past:
-        # what it published stays, the new session takes over after it.
-        new.accept_from_s = max(self._switch_at, old.last_end_s)
+        # A forced switch may pick a pause the old session had already captioned past
+        # (it published words starting after T before T was chosen): those stay, and
+        # the new session takes over after them. Otherwise the seam is T itself.
+        past = old.last_start_s >= self._switch_at
+        new.accept_from_s = max(self._switch_at, old.last_end_s) if past else self._switch_at
         self._cur, self._next = new, None
         self.counters[f"rollovers_{new.reason}"] += 1
         self.rollover_log.append((new.reason, self._switch_at))
