@@ -40,6 +40,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load_or_exit(args.file)
+    from orchestrator.source_config import read_stream_secrets
+
+    _, problems = read_stream_secrets(cfg.streams, os.environ)
+    if problems:  # names the variables, never their values
+        for problem in problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        print(f"{args.file}: {len(problems)} problem(s); nothing was started", file=sys.stderr)
+        return 2
     from orchestrator.run import run_event
 
     return asyncio.run(run_event(cfg, duration_s=args.duration, plain=args.plain))

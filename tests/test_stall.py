@@ -1,4 +1,4 @@
-"""The stall threshold on its own (virtual time): it learns bursts, forgets them, ignores outages."""
+"""The stall threshold on its own (virtual time): it learns bursts, forgets, ignores outages."""
 
 from __future__ import annotations
 
