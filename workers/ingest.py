@@ -89,9 +89,10 @@ class IngestHostOptions:
     actor_id: str
     redis_url: str
     backoff_initial_s: float = 0.5
-    backoff_max_s: float = 2.0
-    """A source down for a while is tried this often: an encoder that comes back is
-    captioned again within about this long (10 s made a 20 s outage last up to 30 s)."""
+    backoff_max_s: float = 1.0
+    """A source down for a while is tried this often: a pulled encoder that comes back is
+    heard again within about this long (10 s made a 20 s outage last up to 30 s). One
+    ffmpeg start or HTTP request a second per dead source is cheap."""
     decode_threads: int = 8
     stall_s: float = 1.0
     stall_max_s: float = 3.0
