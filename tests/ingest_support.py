@@ -34,7 +34,6 @@ from orchestrator.status import collect
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus, audio_key
 from workers.engines.base import (
-    END,
     RecognizeSession,
     SessionInput,
     SessionOptions,
@@ -42,7 +41,7 @@ from workers.engines.base import (
     WrappedEngine,
 )
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
-from workers.events import SAMPLE_RATE, AudioChunk, CaptionSegment, StreamOptions
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, CaptionSegment, StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
 
 BEEP_AT_S = 0.5
@@ -55,10 +54,11 @@ TRANSPORTS = ("hls", "rtmp-push", "rtmp-pull", "srt-listener", "srt-pull")
 
 
 def with_beep(pcm: bytes) -> bytes:
-    """0.5 s of silence, 0.2 s of 1 kHz, 0.3 s of silence, then `pcm`."""
+    """0.5 s of silence, 0.2 s of 1 kHz, 1 s of silence (longer than the engine's 0.6 s
+    pause: the beep never shares an utterance with the first words), then `pcm`."""
     t = np.arange(int(0.2 * SAMPLE_RATE)) / SAMPLE_RATE
     beep = (0.5 * 32767 * np.sin(2 * np.pi * 1000 * t)).astype("<i2").tobytes()
-    return bytes(int(BEEP_AT_S * SAMPLE_RATE) * 2) + beep + bytes(int(0.3 * SAMPLE_RATE) * 2) + pcm
+    return bytes(int(BEEP_AT_S * SAMPLE_RATE) * 2) + beep + bytes(SAMPLE_RATE * 2) + pcm
 
 
 def free_port(kind: socket.SocketKind = socket.SOCK_STREAM) -> int:
@@ -211,7 +211,7 @@ class RecordingEngine(WrappedEngine):
                 try:
                     while True:
                         item = await inputs.get()
-                        if item is END:
+                        if not isinstance(item, AudioChunk | AudioGap):  # END
                             await inner.end_input()
                             await task
                             return

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.redis_server import free_port
 from tests.speech import decode_pcm16
 from workers.events import SAMPLE_RATE
 from workers.sources.base import SourceError, SourceEvent, SourceItem
@@ -188,6 +189,9 @@ def scripted(tmp_path: Path) -> Iterator[tuple[str, ScriptedHls, list[Path]]]:
         def do_GET(self) -> None:
             if self.path == "/live.m3u8":
                 body = hls.playlist().encode()
+            elif not self.path.startswith("/s"):
+                self.send_error(404)
+                return
             else:
                 n = int(self.path.removeprefix("/s").removesuffix(".ts"))
                 with hls.lock:
@@ -270,10 +274,15 @@ async def test_a_playlist_server_that_is_down_is_a_retryable_error_that_keeps_it
     url, hls, _ = scripted
     for _ in range(4):
         hls.advance()
-    source = HlsSource(url.replace("/live.m3u8", "/missing.m3u8"))
+    down = HlsSource(f"http://127.0.0.1:{free_port()}/live.m3u8")
     with pytest.raises(SourceError) as failed:
-        await read_all(source, 10)
+        await read_all(down, 10)
     assert failed.value.retryable and "playlist" in str(failed.value)
+    # A playlist not written yet is waited for, and said once.
+    missing = HlsSource(url.replace("/live.m3u8", "/later.m3u8")).chunks()
+    said = await asyncio.wait_for(anext(missing), 10)
+    assert isinstance(said, SourceEvent) and said.reason == "hls-missing"
+    await missing.aclose()
     source = HlsSource(url)
     first = source.chunks()
     while not isinstance(await asyncio.wait_for(anext(first), 10), bytes):

@@ -6,8 +6,18 @@ playlist again from its first segment after every reconnect (the same
 sentences captioned six times a minute), and after an encoder crash replays
 stale segments. This reader keeps its own bookkeeping (`hls_playlist`):
 
-- the playlist is reloaded every quarter target duration (at least 0.25 s, at
-  most 2 s): a new segment is seen soon after the encoder lists it;
+- the playlist is reloaded every eighth of a target duration (0.25 s for 2 s
+  segments): a new segment is seen soon after the encoder lists it;
+- its audio goes out at real time, only `HLS_LEAD_S` ahead: a segment arrives
+  every target duration (give or take a reload), so delivery stays smooth and
+  never looks like a stall. Letting each segment's first second out at once (the
+  lead other live sources get) was faster (bench.ingest, tiny.en, 2 s segments:
+  final captions 1.9 s behind the encoder at p50, against 2.8 s) but left ~1 s
+  without audio between segments: the stall threshold had to learn it, and
+  ingest's clock took the first such pause for a hole (0.9 s of noise in the
+  speech of every new stream);
+- a playlist that is not there yet (HTTP 404) is polled like a stalled one
+  (`idle`), so reading starts within a reload of the first segment's listing;
 - segments are fetched with httpx and demuxed one by one with PyAV (MPEG-TS,
   packed audio, fragmented MP4 with its `EXT-X-MAP`) into one decoder that
   lives across segments, so segment seams are seamless; a discontinuity, a gap
@@ -43,8 +53,9 @@ from workers.sources.hls_playlist import (
     parse_playlist,
     pick_audio_playlist,
 )
-from workers.sources.pyav import CHUNK_BYTES, LIVE_LEAD_S, Pacer, describe_av_error, redact_url
+from workers.sources.pyav import CHUNK_BYTES, Pacer, describe_av_error, redact_url
 
+HLS_LEAD_S = 0.25
 MAX_PLAYLIST_BYTES = 1 << 20
 MAX_SEGMENT_BYTES = 64 << 20
 
@@ -149,12 +160,17 @@ class HlsSource(AudioSource):
             raise SourceError(f"{self._where}: {redact_url(url)} is over {limit} bytes")
         return resp
 
-    async def _playlist(self, http: httpx.AsyncClient, url: str) -> Playlist:
+    async def _playlist(self, http: httpx.AsyncClient, url: str) -> Playlist | None:
+        """The playlist, or None while it is not there (HTTP 404: the encoder has not
+        written it yet, or the URL is wrong): polled like a stalled one, so the first
+        segment is read within a reload of its listing, not after a reconnect's backoff."""
         try:
             resp = await self._get(http, url, MAX_PLAYLIST_BYTES)
         except httpx.HTTPError as exc:
             raise SourceError(f"{self._where}: cannot load the playlist ({type(exc).__name__}); "
                               "check that the encoder's HTTP server is up") from None
+        if resp.status_code == 404:
+            return None
         if resp.status_code != 200:
             raise SourceError(f"{self._where}: the playlist answered HTTP {resp.status_code}; "
                               "check the URL and that the encoder is writing it")
@@ -193,15 +209,29 @@ class HlsSource(AudioSource):
     async def chunks(self) -> AsyncIterator[SourceItem]:
         async with httpx.AsyncClient(timeout=self._timeout_s, follow_redirects=True,
                                      transport=self._transport) as http:
-            if self._media_url is None:
-                first = await self._playlist(http, self.url)
-                self._media_url = pick_audio_playlist(first) if first.is_master else self.url
-            pacer = Pacer(lead_s=LIVE_LEAD_S)
+            pacer = Pacer(lead_s=HLS_LEAD_S)
+            missing_said = False
+            poll_s = 0.25
             while True:
-                pl = await self._playlist(http, self._media_url)
-                if pl.is_master:
+                pl = await self._playlist(http, self._media_url or self.url)
+                if pl is None:
+                    if not missing_said:
+                        missing_said = True
+                        yield SourceEvent("idle", "hls-missing", (
+                            "the playlist is not there (HTTP 404); waiting for the encoder "
+                            "to write it: check the URL if it never comes"))
+                    await asyncio.sleep(poll_s)
+                    continue
+                missing_said = False
+                if self._media_url is None:
+                    if pl.is_master:
+                        self._media_url = pick_audio_playlist(pl)
+                        continue
+                    self._media_url = self.url
+                elif pl.is_master:
                     raise SourceError(f"{self._where}: the variant playlist is a master "
                                       "playlist too", retryable=False)
+                poll_s = min(1.0, max(0.1, pl.target_duration_s / 8))
                 plan = self.tracker.plan(pl, time.monotonic())
                 if plan.stalled:
                     yield SourceEvent("idle", "hls-stalled", (
@@ -215,7 +245,7 @@ class HlsSource(AudioSource):
                             if plan.gap == "hls-restart" else
                             f"{plan.skipped} segment(s) were gone before they could be read")
                     yield SourceEvent("gap", plan.gap, what)
-                    pacer = Pacer(lead_s=LIVE_LEAD_S)
+                    pacer = Pacer(lead_s=HLS_LEAD_S)
                 for seg in plan.segments:
                     async for item in self._read(http, seg, pacer):
                         yield item
@@ -224,7 +254,7 @@ class HlsSource(AudioSource):
                         await pacer.wait(len(chunk) // 2)
                         yield chunk
                     return
-                await asyncio.sleep(min(2.0, max(0.25, pl.target_duration_s / 4)))
+                await asyncio.sleep(poll_s)
 
     async def _read(self, http: httpx.AsyncClient, seg: Segment,
                     pacer: Pacer) -> AsyncIterator[SourceItem]:
