@@ -99,7 +99,9 @@ async def ws_push(base: str, stream: str, pcm: bytes) -> PacedSender:
     return sender
 
 
-async def realtime(base: str, stream: str, pcm: bytes, model: str) -> PacedSender:
+async def realtime(base: str, stream: str, pcm: bytes, model: str,
+                   at_end: Any) -> PacedSender:
+    """`at_end`: awaited when the audio is sent, before waiting for transcription.done."""
     sender = PacedSender()
     url = base.replace("http://", "ws://") + f"/v1/realtime?stream={stream}"
     async with websockets.connect(url) as ws:
@@ -112,6 +114,7 @@ async def realtime(base: str, stream: str, pcm: bytes, model: str) -> PacedSende
                                       "audio": base64.b64encode(chunk).decode()}))
 
         await sender.play(pcm, append)
+        await at_end()
         await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # until transcription.done
@@ -161,6 +164,11 @@ async def play(path: str, base: str, redis: Any, pcm: bytes, model: str,
     import jiwer
 
     before = await counters(redis, path)
+    after: dict[str, float] = {}
+
+    async def at_end() -> None:  # the speech is out: stalls after this are the end's
+        after.update(await counters(redis, path))
+
     wall_of: Any
     if path == "file":
         while (await redis.hget(status_key(path), "source_state")) != b"ended":  # noqa: ASYNC110
@@ -169,13 +177,14 @@ async def play(path: str, base: str, redis: Any, pcm: bytes, model: str,
     elif path == "ws-push":
         wall_of = (await ws_push(base, path, pcm)).wall_of
     elif path == "realtime":
-        wall_of = (await realtime(base, path, pcm, model)).wall_of
+        wall_of = (await realtime(base, path, pcm, model, at_end)).wall_of
     else:
         encoder = Encoder(folders[path].output)
         await encoder.start(pcm)
         await encoder.finish(timeout_s=120)
         wall_of = encoder.wall_of
-    after = await counters(redis, path)
+    if not after:
+        await at_end()
     await asyncio.sleep(TAIL_S)
     caps = await finals(redis, path)
     found = await beep(redis, path)

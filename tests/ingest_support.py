@@ -139,9 +139,13 @@ class Encoder:
         self.started_at = 0.0
 
     async def start(self, pcm: bytes) -> None:
+        # No input probing: the format is given, and probing the pipe held ~1.4 s of
+        # audio back before the first packet left (an operator's encoder does not wait
+        # like that). Packets are flushed as soon as they are muxed.
         self.proc = await asyncio.create_subprocess_exec(
-            "ffmpeg", "-nostdin", "-loglevel", "error", "-f", "s16le", "-ar",
-            str(SAMPLE_RATE), "-ac", "1", "-i", "pipe:0", *self.output,
+            "ffmpeg", "-nostdin", "-loglevel", "error", "-probesize", "32",
+            "-analyzeduration", "0", "-fflags", "nobuffer", "-f", "s16le", "-ar",
+            str(SAMPLE_RATE), "-ac", "1", "-i", "pipe:0", "-flush_packets", "1", *self.output,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.DEVNULL)
         self.started_at = time.time()

@@ -155,3 +155,8 @@ def test_run_refuses_to_start_without_a_stream_key(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "BABELCAST_TEST_UNSET_KEY is not set" in result.stderr
     assert "nothing was started" in result.stderr
+
+
+def test_the_encoders_example_validates_without_its_secrets() -> None:
+    cfg = load_event(Path(__file__).parent.parent / "examples" / "encoders.yaml")
+    assert [s.key_env for s in cfg.streams] == ["HALL_A_KEY", "HALL_B_PASSPHRASE", None]
