@@ -44,7 +44,8 @@ LABELS: dict[str, str] = {
     "reason": "rollover reason (budget, rut, engine_error, gap) or gap reason "
               "(late, source-error, source-crash, ingest-restart; what a source said: "
               "rtmp-waiting, rtmp-disconnect, rtmp-takeover, srt-waiting, srt-disconnect, "
-              "hls-stalled, hls-skipped, hls-restart, hls-discontinuity, hls-bad-segment)",
+              "hls-missing, hls-stalled, hls-skipped, hls-restart, hls-discontinuity, "
+              "hls-bad-segment)",
     "backend": "translation backend name (bergamot, apertium, openai-chat, vllm, none)",
     "state": "translation job state: waiting (not yet read) or pending (being worked on)",
     "component": "process part that saw the error: gateway",

@@ -23,9 +23,10 @@ STALE_S = 15.0
 """An actor whose hash was not updated for this long is reported as silent (actors
 report every second)."""
 
-LOST_SOURCE_STATES = frozenset({"idle", "reconnecting", "connecting", "waiting"})
-"""Ingest states in which no audio comes: with the ASR side feeding filler, a room says
-`source lost` (or `waiting for source` before its first caption)."""
+LOST_SOURCE_STATES = frozenset({"idle", "reconnecting"})
+"""Ingest states in which no audio comes although the stream runs: the room says `source
+lost` (or `waiting for source` before its first caption), as it does while the ASR side
+feeds only filler (`source_silent_s` > 0)."""
 
 
 def room_state(st: Mapping[str, str]) -> str:
@@ -40,7 +41,7 @@ def room_state(st: Mapping[str, str]) -> str:
     if source == "failed":
         return "source failed"
     silent = (_num(st, "source_silent_s") or 0.0) > 0
-    if silent or source in ("idle", "reconnecting"):
+    if silent or source in LOST_SOURCE_STATES:
         return "source lost" if asr == "captioning" else "waiting for source"
     return asr
 
