@@ -96,12 +96,16 @@ def test_segments_gone_before_they_were_read_are_a_gap() -> None:
 
 
 @pytest.mark.unit
-def test_a_restarted_sequence_is_a_gap_and_starts_again_at_the_live_edge() -> None:
+def test_a_restarted_sequence_is_a_gap_read_from_its_start_while_it_is_young() -> None:
     t = SegmentTracker()
     t.plan(live(100, 6), 0.0)  # read 105
-    plan = t.plan(live(0, 3), 1.0)
-    assert (plan.gap, [s.seq for s in plan.segments]) == ("hls-restart", [2])
+    plan = t.plan(live(0, 3), 1.0)  # seen within ~2 segments: its first words are kept
+    assert (plan.gap, [s.seq for s in plan.segments]) == ("hls-restart", [0, 1, 2])
     assert [s.seq for s in t.plan(live(0, 4), 2.0).segments] == [3]
+    late = SegmentTracker()
+    late.plan(live(100, 6), 0.0)
+    plan = late.plan(live(0, 6), 1.0)  # seen late: from the live edge, not 12 s behind
+    assert (plan.gap, [s.seq for s in plan.segments]) == ("hls-restart", [5])
 
 
 @pytest.mark.unit

@@ -245,7 +245,10 @@ class HlsSource(AudioSource):
                             if plan.gap == "hls-restart" else
                             f"{plan.skipped} segment(s) were gone before they could be read")
                     yield SourceEvent("gap", plan.gap, what)
-                    pacer = Pacer(lead_s=HLS_LEAD_S)
+                    # All but the newest segment are behind already: out at once, then the
+                    # newest at the usual pace (so nothing is added to the delay).
+                    behind = sum(seg.duration_s for seg in plan.segments[:-1])
+                    pacer = Pacer(lead_s=HLS_LEAD_S + behind)
                 for seg in plan.segments:
                     async for item in self._read(http, seg, pacer):
                         yield item

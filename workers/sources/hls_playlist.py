@@ -12,8 +12,11 @@ nothing is replayed:
   segment of head start is a segment of delay (7.2 s behind the encoder with
   ffmpeg's 2 s segments, issue 14). A VOD playlist is read from its start.
 - Sequence numbers that jump ahead (segments gone before they were read) or go
-  back (a restarted encoder) are a gap; after a restart it starts again near the
-  live edge. A playlist that stops advancing for `stall_after` target durations
+  back (a restarted encoder) are a gap. A restarted playlist that is still young
+  (at most `start_segments + 2` segments: the restart was seen within about two
+  segments) is read from its first segment, so the encoder's first words after
+  its return are kept (the reader lets the older ones out at once); an older one
+  from the live edge. A playlist that stops advancing for `stall_after` target durations
   is stalled (the encoder is gone or stuck), once, until it advances again.
 - `#EXT-X-ENDLIST` ends the source once its last segment is read.
 """
@@ -196,10 +199,12 @@ class SegmentTracker:
         self._last_media_seq = pl.media_sequence
         gap: str | None = None
         skipped = 0
-        if self.next_seq is None or restarted:
+        if restarted:
+            young = len(pl.segments) <= self.start_segments + 2
+            todo = pl.segments if young else self._live_edge(pl)
+            gap = "hls-restart"
+        elif self.next_seq is None:
             todo = self._live_edge(pl)
-            if restarted:
-                gap = "hls-restart"
         else:
             todo = tuple(s for s in pl.segments if s.seq >= self.next_seq)
             first = todo[0].seq if todo else pl.media_sequence
