@@ -56,6 +56,7 @@ from workers.engines.vad import FRAME_SAMPLES, InlineVad, VadStream
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
+from workers.sessions.stall import asr_threshold
 from workers.sessions.watchdog import RutPolicy, RutWatchdog
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ class SessionPolicy:
     switch_pause_s: float = 0.25
     """Minimum pause (voice activity) that a switch point may sit in."""
     rut: RutPolicy = field(default_factory=RutPolicy)
-    stall_s: float = 0.2
+    stall_s: float = 1.0
+    """Floor of the stall threshold, which learns the transport's bursts (sessions/stall.py)."""
+    stall_max_s: float = 3.0
+    """Cap of the learned stall threshold: a source silent this long is always stalled."""
     dither_lsb: int = 2
     max_fill_s: float = 10.0
     restart_backoff_s: float = 1.0
@@ -137,6 +141,7 @@ class SessionManager(RecognizeSession):
         self._vad: VadStream = vad or InlineVad()
         self._watch = RutWatchdog(p.rut)
         self._noise = DitherNoise(p.dither_lsb)
+        self._stall = asr_threshold(p.stall_s, p.stall_max_s)
         self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
             asyncio.Queue()
         )
@@ -459,6 +464,8 @@ class SessionManager(RecognizeSession):
             self.counters["gap_fill_s"] += filled / SAMPLE_RATE
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
+        self._stall.arrival(self._clock())
+        self.gauges["source_silent_s"] = 0.0
         if self.pos is None:
             self.pos = chunk.pos
             self._arrival_pos = chunk.pos
@@ -484,11 +491,16 @@ class SessionManager(RecognizeSession):
     async def _on_tick(self) -> None:
         if self.pos is None:
             return
-        stalled = self._clock() - self._last_arrival
-        if stalled > self.policy.stall_s:
-            # Keep the engine at wall-clock pace, `stall_s` behind: a chunk that is
+        now = self._clock()
+        stalled = now - self._last_arrival
+        threshold = self._stall.threshold_s(now)
+        self.gauges["stall_threshold_s"] = round(threshold, 2)
+        # Seconds fed only filler so far: the room's status says "source lost" while > 0.
+        self.gauges["source_silent_s"] = round(stalled, 1) if stalled > threshold else 0.0
+        if stalled > threshold:
+            # Keep the engine at wall-clock pace, `threshold` behind: a chunk that is
             # merely late by less than that is never overtaken by noise.
-            target = self._arrival_pos + int((stalled - self.policy.stall_s) * SAMPLE_RATE)
+            target = self._arrival_pos + int((stalled - threshold) * SAMPLE_RATE)
             if target > self.pos:
                 if not self._stalled:
                     self._stalled = True
