@@ -77,10 +77,10 @@ class _TimedSession(EmbeddedWhisperSession):
         super().__init__(engine, options)
         self._log = log
 
-    async def _decode(self, beam: int) -> list[Word]:
-        words = await super()._decode(beam)
+    async def _decode(self, start: int, beam: int) -> tuple[list[Word], list[float]]:
+        out = await super()._decode(start, beam)
         self._log.append(Decode(self.options.stream_id, self._buf_end_s, time.time()))
-        return words
+        return out
 
 
 class TimedEngine(EmbeddedWhisperEngine):

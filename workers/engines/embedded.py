@@ -1,16 +1,24 @@
 """The embedded CPU engine: faster-whisper over a rolling window, streamed.
 
 Streaming policy (per session):
-- Silero VAD marks speech frames. Without speech nothing is decoded (CPU is the
-  scarce resource here), and the window keeps only a short lead-in.
-- While someone speaks, the window is re-decoded every `step_s` of new audio
-  and LocalAgreement-2 commits the words two consecutive hypotheses agree on;
-  the rest goes out as tentative words (partial captions).
-- When the speaker pauses for `pause_s`, the whole utterance is decoded once
-  more (with `final_beam_size`) and committed: that is what closes captions
-  quickly at natural pauses instead of waiting for another agreement.
-- Long speech without a pause trims the window at committed words, so a
-  decode never sees more than ~`max_window_s` seconds.
+- Silero VAD marks speech frames (the session manager's flags when they come with the
+  audio, else its own Silero). Without speech nothing is decoded (CPU is the scarce
+  resource here), and the window keeps only a short lead-in.
+- While someone speaks, the window is re-decoded every `step_s` of new audio and
+  LocalAgreement-2 settles the words two consecutive hypotheses agree on; the rest is
+  shown as tentative. Long speech without a pause moves the window past settled words,
+  so an interim decode never sees more than ~`max_window_s` seconds.
+- Finals (`final_pass`):
+  - `utterance` (default): when the speaker pauses for `pause_s`, the whole utterance is
+    decoded once more (with `final_beam_size`) and that decode is committed; the agreed
+    words were only ever partials. Agreement on 1 s steps commits words cut at the
+    window's edge ("ill sposed"), which a whole-utterance decode does not: measured with
+    `bench.accuracy` (README, *Accuracy*). Speech that runs past `max_utterance_s` without
+    a pause is finalised in parts: the words of a whole-utterance decode that end at least
+    `PART_EDGE_S` before its end, up to the last sentence end among them.
+  - `agreement`: the agreed words are committed as they settle (lower latency on long
+    utterances, more errors); `edge_s` / `min_word_p` keep words that end near the
+    window's edge or that Whisper is unsure of out of a commit until a later step.
 
 All sessions of one engine share one decode thread (FIFO): on a 2-core machine
 two concurrent decodes only slow each other down.
@@ -22,10 +30,11 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
+from workers.captions.segmenter import ends_sentence
 from workers.engines.agreement import LocalAgreement
 from workers.engines.base import (
     END,
@@ -45,6 +54,12 @@ VAD_INLINE_SAMPLES = SAMPLE_RATE // 2
 MAX_TOKENS_PER_S = 8.0  # fast speech is ~4-5 tokens/s (timestamps included)
 
 
+FinalPass = Literal["utterance", "agreement"]
+FINAL_PASSES: tuple[FinalPass, ...] = ("utterance", "agreement")
+PART_EDGE_S = 2.0
+"""A part of a long utterance is finalised only up to words this far from the window's end."""
+
+
 @dataclass(frozen=True, slots=True)
 class EmbeddedEngineOptions:
     model: str = "whisper-base"
@@ -55,6 +70,10 @@ class EmbeddedEngineOptions:
     pause_s: float = 0.6
     max_window_s: float = 10.0
     lead_in_s: float = 0.3
+    final_pass: FinalPass = "utterance"
+    max_utterance_s: float = 20.0
+    edge_s: float = 0.0
+    min_word_p: float = 0.0
 
 
 @dataclass(slots=True)
@@ -117,7 +136,8 @@ class EmbeddedWhisperEngine(SpeechEngine):
 
     async def decode(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int
-    ) -> tuple[list[Word], str | None]:
+    ) -> tuple[list[Word], list[float], str | None]:
+        """Words (absolute times), each word's probability, and the detected language."""
         if self._pool is None:
             raise EngineError("engine closed")
         loop = asyncio.get_running_loop()
@@ -127,7 +147,7 @@ class EmbeddedWhisperEngine(SpeechEngine):
 
     def _decode_sync(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int
-    ) -> tuple[list[Word], str | None]:
+    ) -> tuple[list[Word], list[float], str | None]:
         t0 = time.perf_counter()
         # Pad to ≥ 10 s instead of Whisper's 30 s: same WER on the reference set
         # (1.4 %), 2.4x less CPU per call (see models.ShortWindowWhisperModel).
@@ -148,18 +168,15 @@ class EmbeddedWhisperEngine(SpeechEngine):
             temperature=0.0,
             max_new_tokens=int(audio.size / SAMPLE_RATE * MAX_TOKENS_PER_S) + 8,
         )
-        words = [
-            # Whisper's word pieces carry their leading space where the language
-            # has one, so captions join them by plain concatenation.
-            Word(w.word, offset_s + float(w.start), offset_s + float(w.end))
-            for seg in segments
-            for w in (seg.words or [])
-            if w.word.strip()
-        ]
+        pieces = [w for seg in segments for w in (seg.words or []) if w.word.strip()]
+        # Whisper's word pieces carry their leading space where the language has one, so
+        # captions join them by plain concatenation.
+        words = [Word(w.word, offset_s + float(w.start), offset_s + float(w.end))
+                 for w in pieces]
         self._stats.calls += 1
         self._stats.audio_s += audio.size / SAMPLE_RATE
         self._stats.busy_s += time.perf_counter() - t0
-        return words, getattr(info, "language", None)
+        return words, [float(w.probability) for w in pieces], getattr(info, "language", None)
 
 
 class EmbeddedWhisperSession(RecognizeSession):
@@ -167,17 +184,28 @@ class EmbeddedWhisperSession(RecognizeSession):
         super().__init__(options)
         self.engine = engine
         self.opts = engine.options
-        self._vad = VoiceActivity()
-        self._vad_pending: list[np.ndarray] = []
-        self._agree = LocalAgreement()
+        self._vad: VoiceActivity | None = None  # made only for audio that comes without flags
+        self.own_vad_frames = 0
+        """Frames this session ran through its own Silero (0 behind a session manager)."""
+        self._vad_pending: list[np.ndarray | tuple[bool, ...]] = []
+        self._agree = LocalAgreement()  # what two interim decodes agree on
+        # Utterance mode: what the final passes committed; the agreed words of the open
+        # utterance are only shown (`_shown`) until a final pass decides them.
+        self._final = LocalAgreement() if self.opts.final_pass == "utterance" else self._agree
+        self._shown: list[Word] = []
         self._buf = np.zeros(0, dtype=np.float32)
         self._buf_pos = 0  # stream sample position of _buf[0]
+        self._win_pos = 0  # where interim decodes start (≥ _buf_pos)
         self._expected: int | None = None
         self._had_speech = False
         self._silence_run = 0  # samples of non-speech since the last speech frame
         self._new_since_decode = 0
         self._language: str | None = None if options.language == "auto" else options.language
         self._detected: str | None = None
+
+    @property
+    def _utterance_mode(self) -> bool:
+        return self.opts.final_pass == "utterance"
 
     # ---- buffer ----------------------------------------------------------
     @property
@@ -187,34 +215,40 @@ class EmbeddedWhisperSession(RecognizeSession):
     def _reset_at(self, pos: int) -> None:
         self._vad_pending = []
         self._buf = np.zeros(0, dtype=np.float32)
-        self._buf_pos = pos
-        self._vad.reset()
+        self._buf_pos = self._win_pos = pos
+        if self._vad is not None:
+            self._vad.reset()
         self._had_speech = False
         self._silence_run = 0
         self._new_since_decode = 0
         self._agree.clear_tentative()
+        self._shown = []
 
     def _append(self, chunk: AudioChunk) -> None:
         audio = np.frombuffer(chunk.pcm, dtype="<i2").astype(np.float32) / 32768.0
         if not self._buf.size:
-            self._buf_pos = chunk.pos
+            self._buf_pos = self._win_pos = chunk.pos
         self._buf = np.concatenate([self._buf, audio])
         self._new_since_decode += audio.size
         self._expected = chunk.pos + audio.size
-        self._vad_pending.append(audio)
+        self._vad_pending.append(audio if chunk.speech is None else chunk.speech)
 
     async def _run_vad(self) -> None:
-        """Voice activity over the audio appended since the last call. Silero costs
-        ~2 ms per 32 ms frame here, so a catch-up batch (a rollover feeds seconds at
-        once) runs in a thread instead of stalling every stream's event loop."""
-        if not self._vad_pending:
-            return
-        audio = np.concatenate(self._vad_pending)
-        self._vad_pending = []
-        if audio.size > VAD_INLINE_SAMPLES:
-            flags = await asyncio.to_thread(self._vad.feed, audio)
-        else:
-            flags = self._vad.feed(audio)
+        """Voice activity over the audio appended since the last call: the flags that came
+        with it, or this session's own Silero. Silero costs ~2 ms per 32 ms frame here, so
+        a catch-up batch (a rollover feeds seconds at once) runs in a thread instead of
+        stalling every stream's event loop."""
+        pending, self._vad_pending = self._vad_pending, []
+        flags: list[bool] = []
+        audio: list[np.ndarray] = []
+        for item in [*pending, ()]:
+            if isinstance(item, np.ndarray):
+                audio.append(item)
+                continue
+            if audio:
+                flags.extend(await self._own_vad(np.concatenate(audio)))
+                audio = []
+            flags.extend(item)
         for speech in flags:
             if speech:
                 self._had_speech = True
@@ -222,61 +256,120 @@ class EmbeddedWhisperSession(RecognizeSession):
             else:
                 self._silence_run += FRAME_SAMPLES
 
-    def _trim_to(self, t_s: float) -> None:
-        cut = round(t_s * SAMPLE_RATE) - self._buf_pos
-        if cut > 0:
-            cut = min(cut, self._buf.size)
+    async def _own_vad(self, audio: np.ndarray) -> list[bool]:
+        vad = self._vad = self._vad or VoiceActivity()
+        if audio.size > VAD_INLINE_SAMPLES:
+            flags = await asyncio.to_thread(vad.feed, audio)
+        else:
+            flags = vad.feed(audio)
+        self.own_vad_frames += len(flags)
+        return flags
+
+    def _drop_before(self, pos: int) -> None:
+        """Forget the audio before stream sample `pos`."""
+        cut = min(max(0, pos - self._buf_pos), self._buf.size)
+        if cut:
             self._buf = self._buf[cut:]
             self._buf_pos += cut
+        self._win_pos = max(self._win_pos, self._buf_pos)
+
+    def _move_window(self, t_s: float) -> None:
+        """Interim decodes start at `t_s` from now on (agreement mode: the audio before it
+        is gone; utterance mode keeps it for the final pass)."""
+        pos = round(t_s * SAMPLE_RATE)
+        if self._utterance_mode:
+            self._win_pos = min(max(self._win_pos, pos), self._buf_pos + self._buf.size)
+        else:
+            self._drop_before(pos)
 
     # ---- decoding ----------------------------------------------------------
-    async def _decode(self, beam: int) -> list[Word]:
-        words, lang = await self.engine.decode(
-            self._buf.copy(),
-            self._buf_pos / SAMPLE_RATE,
-            self._language,
-            beam,
+    async def _decode(self, start: int, beam: int) -> tuple[list[Word], list[float]]:
+        """Decode the buffer from stream sample `start` to its end."""
+        audio = self._buf[start - self._buf_pos :]
+        words, probs, lang = await self.engine.decode(
+            audio.copy(), start / SAMPLE_RATE, self._language, beam
         )
         self._new_since_decode = 0
         if self.options.language == "auto" and lang:
             self._detected = lang
-        return words
+        return words, probs
+
+    def _guarded(self, words: list[Word], probs: list[float]) -> list[Word]:
+        """The leading words that may be committed by agreement: none ending within
+        `edge_s` of the window's end or less likely than `min_word_p`."""
+        limit = self._buf_end_s - self.opts.edge_s
+        n = 0
+        for w, p in zip(words, probs, strict=True):
+            if w.end_s > limit or p < self.opts.min_word_p:
+                break
+            n += 1
+        return words[:n]
+
+    @property
+    def _lang(self) -> str | None:
+        return self._language or self._detected
 
     async def _update(self) -> None:
-        words = await self._decode(self.opts.beam_size)
-        committed = self._agree.insert(words)
-        await self._emit(
-            TranscriptDelta(
-                committed=tuple(committed),
-                tentative=tuple(self._agree.tentative),
-                language=self._language or self._detected,
-            )
-        )
-        if self._buf.size > self.opts.max_window_s * SAMPLE_RATE:
-            if self._agree.last_committed_end > self._buf_pos / SAMPLE_RATE:
-                self._trim_to(self._agree.last_committed_end)
+        words, probs = await self._decode(self._win_pos, self.opts.beam_size)
+        guarded = self._guarded(words, probs)
+        agreed = self._agree.insert(guarded)
+        tentative = [*self._agree.tentative, *words[len(guarded):]]
+        if self._utterance_mode:
+            self._shown.extend(agreed)
+            await self._emit(TranscriptDelta(tentative=(*self._shown, *tentative),
+                                             language=self._lang))
+        else:
+            await self._emit(TranscriptDelta(committed=tuple(agreed),
+                                             tentative=tuple(tentative), language=self._lang))
+        window = self._buf.size - (self._win_pos - self._buf_pos)
+        if window > self.opts.max_window_s * SAMPLE_RATE:
+            if self._agree.last_committed_end > self._win_pos / SAMPLE_RATE:
+                self._move_window(self._agree.last_committed_end)
             else:
                 # Nothing agreed for a whole window: close it rather than let it grow.
                 await self._finish_utterance()
+                return
+        if self._utterance_mode and self._buf.size > self.opts.max_utterance_s * SAMPLE_RATE:
+            await self._final_part()
+
+    async def _final_part(self) -> None:
+        """Utterance mode, speech without a pause: finalise the words of a whole-utterance
+        decode that end well before its end, up to the last sentence end among them."""
+        words, _ = await self._decode(self._buf_pos, self.opts.final_beam_size)
+        fresh = self._final.fresh(words)
+        limit = self._buf_end_s - PART_EDGE_S
+        safe = [w for w in fresh if w.end_s <= limit]
+        ends = [i for i, w in enumerate(safe) if ends_sentence(w.text)]
+        if ends:
+            safe = safe[: ends[-1] + 1]
+        if not safe:
+            return
+        self._final.commit(safe)
+        self._agree.follow(self._final)
+        self._shown = []
+        await self._emit(TranscriptDelta(committed=tuple(safe),
+                                         tentative=tuple(fresh[len(safe):]),
+                                         language=self._lang))
+        self._drop_before(round(safe[-1].end_s * SAMPLE_RATE))
 
     async def _finish_utterance(self) -> None:
         await self._run_vad()
+        committed: list[Word] = []
         if self._had_speech and self._buf.size:
-            words = await self._decode(self.opts.final_beam_size)
-            committed = self._agree.commit_all(words)
+            words, _ = await self._decode(self._buf_pos, self.opts.final_beam_size)
+            committed = self._final.commit_all(words)
+            if self._utterance_mode:
+                self._agree.follow(self._final)
         else:
-            committed = []
             self._agree.clear_tentative()
+        self._shown = []
         await self._emit(
-            TranscriptDelta(
-                committed=tuple(committed),
-                end_of_utterance=True,
-                language=self._language or self._detected,
-            )
+            TranscriptDelta(committed=tuple(committed), end_of_utterance=True,
+                            language=self._lang)
         )
         keep = int(self.opts.lead_in_s * SAMPLE_RATE)
-        self._buf_pos += max(0, self._buf.size - keep)
-        self._buf = self._buf[-keep:] if keep else self._buf[:0]
+        self._drop_before(self._buf_pos + max(0, self._buf.size - keep))
+        self._win_pos = self._buf_pos
         self._had_speech = False
         self._new_since_decode = 0
 
@@ -312,5 +405,4 @@ class EmbeddedWhisperSession(RecognizeSession):
             elif self._had_speech and self._new_since_decode >= step:
                 await self._update()
             elif not self._had_speech and self._buf.size > lead:
-                self._buf_pos += self._buf.size - lead
-                self._buf = self._buf[-lead:]
+                self._drop_before(self._buf_pos + self._buf.size - lead)
