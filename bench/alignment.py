@@ -118,3 +118,16 @@ def seam_errors(ref: list[str], with_rollover: list[TimedToken], without: list[T
         "baseline_deletions_there": near_without["del"],
         "baseline_insertions_there": near_without["ins"],
     }
+
+
+def matched_ref_index(ref: list[str], hyp: list[str]) -> list[int | None]:
+    """For each hypothesis token, the reference token it was aligned to (equal or
+    substituted), None for an insertion."""
+    out: list[int | None] = [None] * len(hyp)
+    if not ref or not hyp:
+        return out
+    for chunk in jiwer.process_words(" ".join(ref), " ".join(hyp)).alignments[0]:
+        if chunk.type in ("equal", "substitute"):
+            for k in range(chunk.hyp_end_idx - chunk.hyp_start_idx):
+                out[chunk.hyp_start_idx + k] = chunk.ref_start_idx + k
+    return out
