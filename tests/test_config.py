@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from orchestrator.capacity import REALTIME_STREAMS_PER_CORE, default_streams_per_actor
 from orchestrator.config import (
     ConfigError,
     ConfigIssue,
@@ -20,8 +21,6 @@ from orchestrator.config import (
     load_event,
     parse_event,
 )
-
-from orchestrator.capacity import REALTIME_STREAMS_PER_CORE, default_streams_per_actor
 
 pytestmark = pytest.mark.unit
 
