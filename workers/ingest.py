@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,8 +22,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.bus import RedisBus
+from workers.bus import AUDIO_CHUNK_S, RedisBus
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
+from workers.redis_retry import RETRYABLE, retry_redis
 from workers.sources.base import AudioSource, SourceError
 from workers.sources.factory import open_source
 from workers.telemetry import MetricsSink
@@ -49,11 +51,14 @@ class AudioClock:
         self.stream = stream
         self.pos = pos
         self._clock = clock
+        self.real_time = clock is time.time
+        """Stamps may be derived from time.time() (an injected clock is used as is)."""
         self._last_wall = last_wall
         self.pending_reason: str | None = reason if last_wall is not None else None
 
-    def stamp(self, pcm: bytes) -> tuple[AudioGap | None, AudioChunk]:
-        now = self._clock()
+    def stamp(self, pcm: bytes, now: float | None = None) -> tuple[AudioGap | None, AudioChunk]:
+        """`now`: when the end of `pcm` was captured (default: the clock)."""
+        now = self._clock() if now is None else now
         samples = len(pcm) // 2
         gap: AudioGap | None = None
         if self._last_wall is not None:
@@ -69,15 +74,36 @@ class AudioClock:
         return gap, chunk
 
 
-async def write_audio(bus: RedisBus, clock: AudioClock, pcm: bytes) -> AudioGap | None:
-    """Stamp and write one chunk (and the gap before it, if any)."""
-    gap, chunk = clock.stamp(pcm)
-    if gap is not None:
-        await bus.add_gap(gap)
-        await bus.incr_status(clock.stream, "gaps")
-        await bus.incr_status(clock.stream, "gap_seconds", gap.duration_s)
-    await bus.add_audio(chunk)
-    return gap
+MAX_ENTRY_BYTES = round(AUDIO_CHUNK_S * SAMPLE_RATE) * 2
+"""Audio per Redis entry (100 ms): the audio Stream is capped in entries, so with a
+bounded entry its cap is a byte cap too (a 4 MiB frame once became one entry)."""
+
+
+async def write_audio(bus: RedisBus, clock: AudioClock, pcm: bytes, *,
+                      max_wait_s: float | None = None) -> AudioGap | None:
+    """Stamp and write audio in entries of at most 100 ms (and the gap before it, if
+    any). Each write is retried while Redis is unreachable, for up to `max_wait_s`
+    (None: until it is back), so a Redis restart costs a gap, never a dead source."""
+    first_gap: AudioGap | None = None
+    now = time.time()
+    total = len(pcm)
+    for start in range(0, total, MAX_ENTRY_BYTES):
+        piece = pcm[start : start + MAX_ENTRY_BYTES]
+        # Each piece's capture time: the frame ends now, so earlier pieces ended earlier.
+        after = (total - start - len(piece)) // 2 / SAMPLE_RATE
+        gap, chunk = clock.stamp(piece, now - after if clock.real_time else None)
+        if gap is not None:
+            first_gap = first_gap or gap
+            await retry_redis(functools.partial(bus.add_gap, gap), what=f"stream {clock.stream}",
+                              log=log, max_wait_s=max_wait_s)
+            try:  # counters are a view: one lost increment is not worth holding audio
+                await bus.incr_status(clock.stream, "gaps")
+                await bus.incr_status(clock.stream, "gap_seconds", gap.duration_s)
+            except RETRYABLE:
+                pass
+        await retry_redis(functools.partial(bus.add_audio, chunk), what=f"stream {clock.stream}",
+                          log=log, max_wait_s=max_wait_s)
+    return first_gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +152,7 @@ class IngestHost:
         return self._bus
 
     async def add_stream(self, opts: StreamOptions) -> None:
-        if opts.stream_id in self._tasks:
+        if opts.stream_id in self.streams():
             return
         self._state[opts.stream_id] = "starting"
         self._tasks[opts.stream_id] = asyncio.create_task(
@@ -145,7 +171,10 @@ class IngestHost:
         return dict(self._state)
 
     def streams(self) -> list[str]:
-        return list(self._tasks)
+        """Streams being ingested, or whose source ended: a task that died is not
+        listed, so the supervisor adds its stream again."""
+        return [s for s, t in self._tasks.items()
+                if not t.done() or self._state.get(s) == "ended"]
 
     async def stop(self) -> None:
         for stream_id in list(self._tasks):
@@ -157,8 +186,12 @@ class IngestHost:
 
     async def _set(self, stream: str, state: str, **fields: str | float | int) -> None:
         self._state[stream] = state
-        await self.bus.set_status(stream, source_state=state, ingest_actor=self.options.actor_id,
-                                  **fields)
+        try:  # status is a view: Redis being away must not stop the audio
+            await self.bus.set_status(stream, source_state=state,
+                                      ingest_actor=self.options.actor_id, **fields)
+        except RETRYABLE as exc:
+            log.warning("stream %s: status %s not written: %s", stream, state,
+                        type(exc).__name__)
 
     def _count(self, stream: str, counters: dict[str, float]) -> None:
         if self.metrics is None:
@@ -170,7 +203,8 @@ class IngestHost:
 
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
-        pos, wall = await self.bus.last_audio_end(stream)
+        pos, wall = await retry_redis(lambda: self.bus.last_audio_end(stream),
+                                      what=f"stream {stream}", log=log)
         clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart")
         attempt = 0
         audio_s = 0.0
@@ -201,7 +235,8 @@ class IngestHost:
                 log.warning("stream %s: source error: %s", stream, exc)
                 clock.pending_reason = "source-error"
                 self._count(stream, {"source_reconnects": 1.0})
-                await self.bus.incr_status(stream, "source_reconnects")
+                with contextlib.suppress(*RETRYABLE):
+                    await self.bus.incr_status(stream, "source_reconnects")
                 await self._set(stream, "reconnecting", source_error=str(exc))
             except asyncio.CancelledError:
                 raise
