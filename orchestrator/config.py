@@ -188,6 +188,10 @@ class EngineConfig(_Strict):
         default=None, description="realtime-ws: ws(s):// URL of the /v1/realtime endpoint")
     delay_s: float = Field(default=0.48, ge=0,
                            description="realtime-ws: how far the server's text lags its audio")
+    token_env: str | None = Field(
+        default=None,
+        description="realtime-ws: environment variable holding the token sent as "
+                    "`Authorization: Bearer` (another Babelcast's publish token)")
     max_session_s: float | None = Field(
         default=None, gt=0,
         description="realtime-ws: the server's session cap in audio seconds, if known")
@@ -214,6 +218,8 @@ class EngineConfig(_Strict):
                 raise _fail("engine kind realtime-ws needs url: ws://HOST:PORT/v1/realtime")
         elif self.url is not None:
             raise _fail("url is only for engine kind realtime-ws")
+        if self.token_env is not None and self.kind != "realtime-ws":
+            raise _fail("token_env is only for engine kind realtime-ws")
         return self
 
 

@@ -308,8 +308,9 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         )
     if e.kind == "realtime-ws":
         assert e.url is not None
+        token = os.environ.get(e.token_env, "").strip() or None if e.token_env else None
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
-                                 max_session_s=e.max_session_s)
+                                 max_session_s=e.max_session_s, token=token)
     return EmbeddedEngineOptions(
         model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s
     )

@@ -10,11 +10,25 @@ from typing import Any
 
 import uvicorn
 
+from orchestrator.gateway.access import GatewaySecurity
 from orchestrator.gateway.app import GatewayStream, create_app
+from orchestrator.gateway.auth import Authenticator, GatewaySecrets
+from orchestrator.gateway.security_config import LimitsConfig
+from orchestrator.gateway.server import uvicorn_config
 from orchestrator.redis_server import free_port
 from workers.events import CaptionSegment, StreamOptions
 
 START_TIMEOUT_S = 20.0
+ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def public_viewers(limits: LimitsConfig | None = None, **secrets: Any) -> GatewaySecurity:
+    """What the output tests run under: captions public (`auth.viewers: public`), admin
+    routes behind ADMIN_TOKEN. tests/test_auth.py covers viewer tokens."""
+    return GatewaySecurity(
+        Authenticator(GatewaySecrets(admin=ADMIN_TOKEN, **secrets), viewers_public=True),
+        (), limits or LimitsConfig())
 
 
 def caption(seq: int, segment_id: int, text: str, start: float, end: float, *,
@@ -55,9 +69,10 @@ class Gateway:
 async def start_gateway(redis_url: str, streams: list[GatewayStream], *,
                         port: int | None = None, **kwargs: Any) -> Gateway:
     port = port or free_port()
+    kwargs.setdefault("security", public_viewers())
     app = create_app(redis_url, streams, "Test event", **kwargs)
-    server = _QuietServer(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                         log_level="warning", lifespan="on"))
+    limits = kwargs["security"].limits
+    server = _QuietServer(uvicorn_config(app, "127.0.0.1", port, limits))
     task = asyncio.create_task(server.serve())
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started:

@@ -24,10 +24,9 @@ from translation.backends import BackendSettings, Routes, build
 from translation.backends.base import BackendError, Result, TranslationRequest, Translator
 from translation.glossary import Glossary, GlossaryTerm
 from translation.jobs import Delivery, JobQueue
-from workers.bus import RedisBus
+from workers.bus import RedisBus, retry_redis
 from workers.captions.linebreak import WEB, break_lines
 from workers.events import CaptionSegment, TranslationJob
-from workers.redis_retry import retry_redis
 
 log = logging.getLogger(__name__)
 

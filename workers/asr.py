@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from workers.backlog import BacklogGuard
-from workers.bus import RedisBus
+from workers.bus import RETRYABLE, RedisBus, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
 from workers.events import (
@@ -35,7 +35,6 @@ from workers.events import (
     TranscriptDelta,
     TranslationJob,
 )
-from workers.redis_retry import RETRYABLE, retry_redis
 from workers.sessions.manager import SessionManager, SessionPolicy
 from workers.telemetry import MetricsSink
 

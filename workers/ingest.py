@@ -22,9 +22,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.bus import AUDIO_CHUNK_S, RedisBus
+from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
-from workers.redis_retry import RETRYABLE, retry_redis
 from workers.sources.base import AudioSource, SourceError
 from workers.sources.factory import open_source
 from workers.telemetry import MetricsSink

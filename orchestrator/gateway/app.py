@@ -60,7 +60,7 @@ from orchestrator.gateway.health import readiness
 from orchestrator.gateway.hub import CaptionHub
 from orchestrator.gateway.pages import STATIC_DIR, index_html, linebreak_script
 from orchestrator.gateway.publish import push_audio_ws, realtime_ws
-from orchestrator.outputs.hls import HlsOptions, HlsService, HlsTrack
+from orchestrator.outputs.hls import HlsOptions, HlsTrack
 from orchestrator.status import collect as collect_status
 
 __all__ = ["GatewayStream", "create_app"]
@@ -102,7 +102,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, max_connections=100))
         hub = CaptionHub(redis)
         await hub.start()
-        ctx.bind(redis, hub, HlsService(ctx.bus, hls_options))
+        ctx.bind(redis, hub, hls_options)
         _app.state.hub = hub
         try:
             yield

@@ -30,9 +30,8 @@ from orchestrator.gateway.access import TRY_AGAIN_LATER, Access, Admitted, can_v
 from orchestrator.gateway.context import GatewayContext
 from orchestrator.gateway.hub import ClientQueue, Resync, SlowClient
 from orchestrator.gateway.limits import CapExceeded
-from workers.bus import caption_to_json, captions_key
+from workers.bus import RETRYABLE, caption_to_json, captions_key, retry_redis
 from workers.events import CaptionSegment
-from workers.redis_retry import RETRYABLE, retry_redis
 
 log = logging.getLogger(__name__)
 

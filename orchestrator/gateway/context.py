@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from orchestrator.gateway.access import Access
 from orchestrator.gateway.hub import CaptionHub
 from orchestrator.gateway.security_config import LimitsConfig
-from orchestrator.outputs.hls import HlsService
+from orchestrator.outputs.hls import HlsOptions, HlsService
 from workers.bus import RedisBus
 from workers.events import StreamOptions
 from workers.ingest import AudioClock
@@ -39,8 +39,9 @@ class GatewayContext:
         self._hub: CaptionHub | None = None
         self.hls: HlsService | None = None
 
-    def bind(self, redis: Redis, hub: CaptionHub, hls: HlsService) -> None:
-        self._redis, self._bus, self._hub, self.hls = redis, RedisBus(redis), hub, hls
+    def bind(self, redis: Redis, hub: CaptionHub, hls: HlsOptions) -> None:
+        self._redis, self._bus, self._hub = redis, RedisBus(redis), hub
+        self.hls = HlsService(self._bus, hls)
 
     @property
     def redis(self) -> Any:

@@ -31,8 +31,8 @@ from orchestrator.gateway.context import GatewayContext, GatewayStream
 from orchestrator.gateway.limits import AudioPacer, CapExceeded, RateLimited
 from orchestrator.gateway.realtime import RealtimeConnection, RealtimeLimits
 from orchestrator.gateway.realtime_protocol import error_event
+from workers.bus import RETRYABLE
 from workers.ingest import AudioClock, write_audio
-from workers.redis_retry import RETRYABLE
 
 log = logging.getLogger(__name__)
 
