@@ -34,6 +34,19 @@ from tests.speech import AUDIO, decode_pcm16, normalize, reference_text, write_r
 pytestmark = pytest.mark.integration
 
 RECV_TIMEOUT_S = 30.0
+ADMIN_TOKEN = "pipeline-admin-token-0123456789"
+PUSH_TOKEN = "pipeline-publish-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+PUBLISH = {"Authorization": f"Bearer {PUSH_TOKEN}"}
+# Captions are public here (tests/test_auth.py covers viewer tokens); pushing and the
+# event status need their tokens, which `babelcast run` reads from these variables.
+AUTH = """
+auth:
+  admin_token_env: PIPELINE_ADMIN_TOKEN
+  publish_token_env: {pushed: PIPELINE_PUSH_TOKEN}
+  viewers: public
+"""
+ENV = {"PIPELINE_ADMIN_TOKEN": ADMIN_TOKEN, "PIPELINE_PUSH_TOKEN": PUSH_TOKEN}
 
 
 class Event:
@@ -62,7 +75,7 @@ streams:
   - {{id: broken, source: "http://127.0.0.1:{dead}/live.mp3", language: en}}
   - {{id: pushed, source: push, language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
-""")
+""" + AUTH)
     ev = start_event(cfg, port)
     yield ev
     stop_event(ev)
@@ -75,7 +88,8 @@ def start_event(cfg: Path, port: int) -> Event:
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
              "--duration", "400"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
         )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -229,7 +243,9 @@ def test_bad_query_and_unknown_stream_get_error_events(event: Event) -> None:
     bad = asyncio.run(first(f"{event.ws}/v1/streams/talk/captions?lang=en&since=x"))
     assert bad["code"] == "invalid_since"
     assert httpx.get(f"{event.base}/v1/streams/nope").status_code == 404
-    assert "babelcast_gateway_messages_total" in httpx.get(f"{event.base}/metrics").text
+    assert httpx.get(f"{event.base}/metrics").status_code == 401
+    assert "babelcast_gateway_messages_total" in httpx.get(f"{event.base}/metrics",
+                                                           headers=ADMIN).text
 
 
 def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> None:
@@ -248,7 +264,8 @@ def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> No
 
         listener = asyncio.create_task(listen())
         await asyncio.sleep(0.5)
-        async with websockets.connect(f"{event.ws}/v1/streams/pushed/audio") as ws:
+        async with websockets.connect(f"{event.ws}/v1/streams/pushed/audio",
+                                      additional_headers=PUBLISH) as ws:
             await ws.send(b"\x00\x01\x02")  # odd length: not PCM16
             errors.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
             await ws.send("hello")  # text frame
@@ -273,7 +290,8 @@ def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> No
 
 def test_push_to_a_pulled_stream_is_refused(event: Event) -> None:
     async def run() -> dict[str, Any]:
-        async with websockets.connect(f"{event.ws}/v1/streams/talk/audio") as ws:
+        async with websockets.connect(f"{event.ws}/v1/streams/talk/audio",
+                                      additional_headers=PUBLISH) as ws:
             return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
 
     assert asyncio.run(run())["code"] == "not_push"
@@ -316,7 +334,8 @@ def test_realtime_ws_engine_captions_speech_through_babelcasts_own_endpoint(
 
     pcm = decode_pcm16(AUDIO / "room-a.flac") + bytes(2 * SAMPLE_RATE * 2)
     engine = RealtimeWsEngine(RealtimeWsOptions(
-        url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5))
+        url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5,
+        token=PUSH_TOKEN))
 
     async def run() -> list[str]:
         manager = SessionManager(engine, SessionOptions("rt", "en"))
@@ -349,7 +368,8 @@ def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
 ) -> None:
     async def run() -> tuple[list[str], dict[str, Any]]:
         codes: list[str] = []
-        async with websockets.connect(f"{event.ws}/v1/realtime?stream=pushed") as ws:
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=pushed",
+                                      additional_headers=PUBLISH) as ws:
 
             async def recv() -> dict[str, Any]:
                 return dict(json.loads(await asyncio.wait_for(ws.recv(), 20)))
@@ -381,7 +401,8 @@ def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
 
 def test_realtime_endpoint_refuses_a_stream_that_is_not_push(event: Event) -> None:
     async def run() -> dict[str, Any]:
-        async with websockets.connect(f"{event.ws}/v1/realtime?stream=talk") as ws:
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=talk",
+                                      additional_headers=PUBLISH) as ws:
             return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
 
     reply = asyncio.run(run())
@@ -404,9 +425,11 @@ engine:
   model: whisper-base
   url: "{event.ws}/v1/realtime?stream=pushed"
   delay_s: 1.5
+  token_env: PIPELINE_PUSH_TOKEN
 streams:
   - {{id: relay, source: "{AUDIO / 'room-a.flac'}", language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
+auth: {{admin_token_env: PIPELINE_ADMIN_TOKEN, viewers: public}}
 """)
     relay = start_event(cfg, port)
     try:

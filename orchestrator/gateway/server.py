@@ -23,6 +23,9 @@ WS_MAX_MESSAGE_BYTES = 128 * 1024
 base64 in JSON); each endpoint checks its own smaller cap on top."""
 
 
+SHUTDOWN_GRACE_S = 3.0
+
+
 class HeaderTimeoutProtocol(HttpToolsProtocol):
     header_timeout_s: float = 10.0
 
@@ -77,4 +80,7 @@ def uvicorn_config(app: Any, host: str, port: int,
         app, host=host, port=port, log_level="warning", lifespan="on",
         ws_per_message_deflate=False, ws_max_size=WS_MAX_MESSAGE_BYTES,
         limit_concurrency=limits.max_connections,
-        http=protocol_with_timeout(limits.header_timeout_s))
+        http=protocol_with_timeout(limits.header_timeout_s),
+        # A socket whose client vanished mid-handshake can keep uvicorn's graceful
+        # shutdown waiting for good; Ctrl-C should stop the event in seconds.
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
