@@ -577,8 +577,10 @@ def _message(err: Any) -> str:
 def parse_event(text: str, *, filename: str = "<string>",
                 base_dir: Path | None = None) -> EventConfig:
     """Parse and validate event YAML; relative file sources resolve against `base_dir`."""
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        # The constructor already reads: a control character fails here (found by fuzzing).
+        loader = yaml.SafeLoader(text)
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
@@ -588,7 +590,8 @@ def parse_event(text: str, *, filename: str = "<string>",
         problem = "; ".join(p for p in parts if p) or str(e)
         raise ConfigError([ConfigIssue(filename, line, "<yaml>", problem)]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if root is None:
         raise ConfigError([ConfigIssue(filename, None, "<top level>", "file is empty; expected "
                                        "a mapping with at least 'event' and 'streams'")])
