@@ -129,7 +129,7 @@ def until_sentinel(ws: ClientConnection, sentinel_code: str) -> list[dict[str, A
             return out
 
 
-# ---- /v1/realtime ---------------------------------------------------------------------------------
+# ---- /v1/realtime ------------------------------------------------------------------------
 b64 = st.binary(max_size=4000).map(lambda b: base64.b64encode(b).decode())
 realtime_events = st.one_of(
     st.text(max_size=300),
@@ -215,13 +215,17 @@ def test_push_answers_every_bad_frame_and_takes_every_good_one(
             break
 
 
-# ---- the captions socket's query -------------------------------------------------------------------
+# ---- the captions socket's query -----------------------------------------------------------
 query_values = st.one_of(st.none(), st.text(max_size=12), st.integers(-5, NEWEST + 5).map(str))
+# A valid `since` below the newest seq gets a caption at once; quiet cases (the live
+# edge) cost a wait each, so they are kept rare.
+since_values = st.one_of(st.text(min_size=1, max_size=12),
+                         st.integers(-5, NEWEST + 5).map(str))
 
 
 @pytest.mark.integration
 @FUZZ
-@given(lang=query_values, since=query_values)
+@given(lang=query_values, since=since_values)
 def test_captions_query_gets_captions_or_a_clear_error_and_close(
     gateway: _Gateway, lang: str | None, since: str | None,
 ) -> None:
@@ -231,9 +235,11 @@ def test_captions_query_gets_captions_or_a_clear_error_and_close(
     url = f"{gateway.base}/v1/streams/hall/captions?{urlencode(query)}"
     valid_since = since in (None, "") or (since.isascii() and since.isdigit() and
                                           int(since) <= NEWEST)
+    quiet = lang in (None, "", "en", "fr") and (since in (None, "") or (
+        valid_since and int(since) == NEWEST) or lang == "fr")
     with connect(url) as ws:
         try:
-            msg = recv_json(ws, timeout=0.3 if since is None else 5.0)
+            msg = recv_json(ws, timeout=0.2 if quiet else 5.0)
         except TimeoutError:
             assert lang in (None, "", "en", "fr") and valid_since  # live edge: quiet
             return

@@ -124,7 +124,7 @@ async def test_audio_is_stored_in_entries_of_at_most_100_ms(
         await pub.send(bytes(64_000))  # 2 s in one frame
         redis = Redis.from_url(redis_url)
         deadline = time.monotonic() + RECV_S
-        while await redis.xlen(audio_key("hall")) < 20 and time.monotonic() < deadline:
+        while await redis.xlen(audio_key("hall")) < 20 and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         entries = await redis.xrange(audio_key("hall"))
         await redis.aclose()

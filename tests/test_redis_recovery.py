@@ -58,7 +58,7 @@ async def test_a_20_s_redis_outage_loses_no_caption_and_readiness_says_so(
         while not stop.is_set():
             seq += 1
             seg = caption(seq, seq, f"sentence {seq}", seq, seq + 1.0, stream="hall")
-            await retry_redis(lambda s=seg: bus.publish_caption(s), what="test",  # noqa: B023
+            await retry_redis(lambda s=seg: bus.publish_caption(s), what="test",
                               log=logging.getLogger("test"))
             published.append(seq)
             await asyncio.sleep(0.1)

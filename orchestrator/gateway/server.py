@@ -23,7 +23,7 @@ WS_MAX_MESSAGE_BYTES = 128 * 1024
 base64 in JSON); each endpoint checks its own smaller cap on top."""
 
 
-SHUTDOWN_GRACE_S = 3.0
+SHUTDOWN_GRACE_S = 3
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):

@@ -1,0 +1,232 @@
+"""Soak: `babelcast run` (tiny.en, N file streams, local redis-server child) for a long
+time while caption clients join and leave, with an ASR actor kill and a Redis restart
+taking turns every `--fault-every` minutes. Prints JSON.
+
+    .venv/bin/python -m bench.soak --minutes 60 --json [--streams 4] [--fault-every 15]
+
+Measured: RSS per process kind (first sample after warm-up → last; an ASR actor that
+was killed starts over, so its growth is measured since its last restart), finals lost
+(a final in the Stream that a client following it live never got), seq gaps and
+duplicates seen by those clients, and per fault the longest caption silence on any
+stream after it (fault → that stream's next caption).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+
+from bench.system import ROOT, _descendants, _proc_table
+from orchestrator.redis_server import free_port
+from tests.speech import AUDIO
+
+KINDS = {"redis-server": "redis-server", "ray::AsrActor": "asr-actor",
+         "ray::IngestActor": "ingest-actor", "raylet": "raylet", "gcs_server": "gcs",
+         "orchestrator.cli": "babelcast-run"}
+
+
+def _rss_by_kind(root: int) -> dict[str, tuple[int, float]]:
+    """kind → (pid, RSS MB) of the biggest process of that kind under root."""
+    parents, _ = _proc_table()
+    out: dict[str, tuple[int, float]] = {}
+    for pid in _descendants(root, parents):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        kind = next((k for needle, k in KINDS.items() if needle in cmd), None)
+        if kind is None:
+            continue
+        rss = next((int(line.split()[1]) / 1024 for line in status.splitlines()
+                    if line.startswith("VmRSS:")), 0.0)
+        if kind not in out or rss > out[kind][1]:
+            out[kind] = (pid, rss)
+    return out
+
+
+class Auditor:
+    """Follows one stream's captions from seq 0, reconnecting with `since`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seqs: list[int] = []
+        self.finals: set[int] = set()
+        self.times: list[float] = []
+        self.reconnects = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            since = self.seqs[-1] if self.seqs else 0
+            try:
+                async with websockets.connect(f"{self.url}&since={since}") as ws:
+                    while not stop.is_set():
+                        try:
+                            msg = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                        except TimeoutError:
+                            continue
+                        if msg.get("type") != "caption":
+                            continue
+                        self.seqs.append(msg["seq"])
+                        self.times.append(time.time())
+                        if msg["is_final"]:
+                            self.finals.add(msg["seq"])
+            except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
+                self.reconnects += 1
+                await asyncio.sleep(0.5)
+
+
+async def churn(base: str, streams: list[str], stop: asyncio.Event) -> int:
+    """Clients that join, read a little and leave."""
+    joined = 0
+    while not stop.is_set():
+        s = random.choice(streams)
+        try:
+            async with websockets.connect(f"{base}/v1/streams/{s}/captions?lang=en"):
+                joined += 1
+                await asyncio.sleep(random.uniform(0.5, 5.0))
+        except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
+            await asyncio.sleep(1.0)
+    return joined
+
+
+async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="babelcast-soak-"))
+    port = free_port()
+    admin = secrets.token_urlsafe(32)
+    sources = [AUDIO / "room-a.flac", AUDIO / "room-b.flac"]
+    lines = ["event: soak", "engine: {kind: embedded, model: tiny.en, actors: 1, "
+             f"streams_per_actor: {n_streams}}}", "streams:"]
+    ids = [f"room-{i}" for i in range(n_streams)]
+    for i, sid in enumerate(ids):
+        lines.append(f"  - {{id: {sid}, source: \"{sources[i % 2]}\", loop: true, "
+                     "language: en}")
+    lines += [f"gateway: {{host: 127.0.0.1, port: {port}}}",
+              f"redis: {{data_dir: \"{tmp / 'redis'}\"}}",
+              "auth: {admin_token_env: SOAK_ADMIN, viewers: public}"]
+    cfg = tmp / "soak.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    log = (tmp / "run.log").open("wb")
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a long-lived child, not awaited
+        [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
+         "--duration", str(minutes * 60 + 600)], stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env={**os.environ, "SOAK_ADMIN": admin})
+    base = f"http://127.0.0.1:{port}"
+    ws_base = base.replace("http://", "ws://")
+    result: dict[str, Any] = {"minutes": minutes, "streams": n_streams,
+                              "fault_every_min": fault_every_min, "faults": []}
+    try:
+        async with httpx.AsyncClient(base_url=base) as http:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"babelcast run did not start; see {tmp / 'run.log'}")
+                try:
+                    if (await http.get("/healthz", timeout=2)).status_code == 200 and _rss_by_kind(
+                            proc.pid).get("asr-actor"):
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1)
+        stop = asyncio.Event()
+        auditors = {s: Auditor(f"{ws_base}/v1/streams/{s}/captions?lang=en") for s in ids}
+        tasks = [asyncio.create_task(a.run(stop)) for a in auditors.values()]
+        churners = [asyncio.create_task(churn(ws_base, ids, stop)) for _ in range(4)]
+        await asyncio.sleep(30)  # warm-up: models loaded, first captions out
+        first_rss = _rss_by_kind(proc.pid)
+        rss_samples = [first_rss]
+        started = time.monotonic()
+        next_fault = started + fault_every_min * 60
+        fault_kind = "asr-actor"
+        while time.monotonic() - started < minutes * 60:
+            await asyncio.sleep(5)
+            rss_samples.append(_rss_by_kind(proc.pid))
+            if time.monotonic() >= next_fault:
+                target = rss_samples[-1].get(fault_kind)
+                at = time.time()
+                if target is not None:
+                    os.kill(target[0], signal.SIGKILL)
+                result["faults"].append({"kind": fault_kind, "at": at})
+                fault_kind = "redis-server" if fault_kind == "asr-actor" else "asr-actor"
+                next_fault += fault_every_min * 60
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        joined = sum(r for r in await asyncio.gather(*churners, return_exceptions=True)
+                     if isinstance(r, int))
+        # What the Stream holds, read back from seq 0, against what the clients saw live.
+        lost = gaps = dups = 0
+        for sid, a in auditors.items():
+            replay: list[dict[str, Any]] = []
+            async with websockets.connect(f"{ws_base}/v1/streams/{sid}/captions?lang=en"
+                                          "&since=0") as ws:
+                while True:
+                    try:
+                        replay.append(json.loads(await asyncio.wait_for(ws.recv(), 2.0)))
+                    except TimeoutError:
+                        break
+            stream_finals = {m["seq"] for m in replay if m.get("is_final")}
+            lost += len({s for s in stream_finals if s <= max(a.seqs, default=0)}
+                        - a.finals)
+            gaps += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y > x + 1)
+            dups += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y <= x)
+        for fault in result["faults"]:
+            silences: list[float] = []
+            for a in auditors.values():
+                after = [t for t in a.times if t > fault["at"]]
+                silences.append(round(after[0] - fault["at"], 1) if after else float("inf"))
+            worst = max(silences, default=float("inf"))
+            fault["longest_caption_silence_s"] = None if worst == float("inf") else worst
+        growth: dict[str, Any] = {}
+        for kind in KINDS.values():
+            series = [(s[kind][0], s[kind][1]) for s in rss_samples if kind in s]
+            if not series:
+                continue
+            last_pid = series[-1][0]
+            same = [mb for pid, mb in series if pid == last_pid]
+            growth[kind] = {"first_mb": round(same[0], 1), "last_mb": round(same[-1], 1),
+                            "growth_pct": round(100 * (same[-1] - same[0]) / same[0], 1),
+                            "measured_over_samples": len(same)}
+        result.update(rss=growth, finals_lost=lost, seq_gaps=gaps, seq_duplicates=dups,
+                      finals_seen=sum(len(a.finals) for a in auditors.values()),
+                      auditor_reconnects=sum(a.reconnects for a in auditors.values()),
+                      churn_clients=joined)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--fault-every", type=float, default=15.0, metavar="MIN",
+                   help="minutes between faults (ASR actor kill, Redis restart, in turn)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = asyncio.run(soak(args.minutes, args.streams, args.fault_every))
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
