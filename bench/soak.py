@@ -173,9 +173,10 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
             replay: list[dict[str, Any]] = []
             async with websockets.connect(f"{ws_base}/v1/streams/{sid}/captions?lang=en"
                                           "&since=0") as ws:
-                while True:
-                    try:
-                        replay.append(json.loads(await asyncio.wait_for(ws.recv(), 2.0)))
+                last_seen = max(a.seqs, default=0)
+                while not replay or replay[-1].get("seq", 0) < last_seen:
+                    try:  # the streams go on: read up to what the auditor saw
+                        replay.append(json.loads(await asyncio.wait_for(ws.recv(), 5.0)))
                     except TimeoutError:
                         break
             stream_finals = {m["seq"] for m in replay if m.get("is_final")}
