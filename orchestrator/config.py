@@ -170,9 +170,29 @@ class VllmConfig(_Strict):
     cudagraph_mode: Literal["PIECEWISE", "NONE"] = Field(
         default="PIECEWISE", description="Voxtral refuses FULL graphs")
     max_num_batched_tokens: int | None = Field(
-        default=None, ge=1, description="at least 400 × streams_per_actor is used anyway")
-    delay_ms: int = Field(default=480, ge=80, le=2400,
-                          description="the model folder's transcription delay (tekken.json)")
+        default=None, ge=1, description="at least 400 × (streams + headroom) is used anyway")
+    reanchor: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="keep sessions below max_model_len by re-anchoring their positions: auto "
+                    "where tested (vLLM 0.26.x) and the engine's probe agrees; off: warm "
+                    "rollovers before the cap")
+    reanchor_every: int = Field(
+        default=4096, ge=128, description="positions between a session's re-anchors")
+    rollover_headroom: int | None = Field(
+        default=None, ge=0,
+        description="session slots beyond streams_per_actor for warm rollovers and restarts; "
+                    "null: a quarter of streams_per_actor, at least 1")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_delay(cls, data: Any) -> Any:
+        # The delay is the model's (one engine per delay): a second copy here could only
+        # disagree with it.
+        if isinstance(data, dict) and "delay_ms" in data:
+            _raise_at("VllmConfig", [(("delay_ms",), "the delay comes from the model "
+                                      "folder's tekken.json (audio.transcription_delay_ms); "
+                                      "remove this key", data["delay_ms"])])
+        return data
 
 
 class EngineConfig(_Strict):

@@ -124,6 +124,15 @@ CATALOG: tuple[MetricSpec, ...] = (
          "rate() is the engine's load, 1 = saturated", "actor"),
     _ray("babelcast_engine_steps_total", "counter",
          "Decode steps the actor's engine ran (busy seconds / steps = step time)", "actor"),
+    _ray("babelcast_engine_healthy", "gauge",
+         "1 while the actor's engine can serve sessions, 0 once it is dead (the "
+         "supervisor then replaces the actor)", "actor"),
+    _ray("babelcast_engine_reanchoring", "gauge",
+         "vllm engine mode: 1 = sessions re-anchor (never roll over for length), "
+         "0 = warm rollovers before max_model_len", "actor"),
+    _ray("babelcast_engine_reanchors_total", "counter",
+         "Session re-anchors the actor's vllm engine applied (positions lowered, cached "
+         "keys re-rotated)", "actor"),
     # ---- ingest actors (workers/ingest.py) ----
     _ray("babelcast_source_audio_seconds_total", "counter",
          "Seconds of audio decoded from the stream's source and written to Redis", "stream"),
@@ -185,6 +194,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _gw("babelcast_stream_readds_total", "counter",
         "Streams the supervisor added again to an actor that had lost them (it restarted)",
         "actor"),
+    _gw("babelcast_engine_replacements_total", "counter",
+        "ASR actors the supervisor replaced because their engine was dead", "actor"),
     # ---- outputs (orchestrator/outputs) ----
     _gw("babelcast_archive_cues_total", "counter",
         "Cues appended to WebVTT/SRT archives", "stream", "lang"),

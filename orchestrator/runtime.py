@@ -146,6 +146,11 @@ STREAM_GAUGES: dict[str, str] = {
 ACTOR_COUNTERS: dict[str, str] = {
     "engine_busy_s": "babelcast_engine_busy_seconds_total",
     "engine_steps": "babelcast_engine_steps_total",
+    "engine_reanchors": "babelcast_engine_reanchors_total",
+}
+ACTOR_GAUGES: dict[str, str] = {
+    "engine_healthy": "babelcast_engine_healthy",
+    "engine_reanchoring": "babelcast_engine_reanchoring",
 }
 STATUS_ONLY = frozenset({
     "sessions_opened", "seam_words_deduped", "rollover_failures", "session_open_failures",
@@ -196,6 +201,10 @@ class RayMetricsSink:
             name = ACTOR_COUNTERS.get(key)
             if name is not None:
                 self.m.inc(name, value, actor=actor)
+        for key, value in gauges.items():
+            name = ACTOR_GAUGES.get(key)
+            if name is not None:
+                self.m.set(name, value, actor=actor)
 
 
 class RayTranslationMetrics:
@@ -304,7 +313,8 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             model=e.model, max_streams=e.streams_per_actor, max_model_len=v.max_model_len,
             gpu_memory_utilization=v.gpu_memory_utilization, load_format=v.load_format,
             enforce_eager=v.enforce_eager, cudagraph_mode=v.cudagraph_mode,
-            max_num_batched_tokens=v.max_num_batched_tokens, delay_s=v.delay_ms / 1000,
+            max_num_batched_tokens=v.max_num_batched_tokens, reanchor=v.reanchor,
+            reanchor_every=v.reanchor_every, rollover_headroom=v.rollover_headroom,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None
@@ -344,6 +354,13 @@ class _HostActor:
     async def health(self) -> dict[str, Any]:
         await self._ensure()
         return dict(await self.host.health())
+
+    async def state(self) -> dict[str, Any]:
+        """Like health, but never waits for a starting engine (a vLLM engine takes a
+        minute or two to load): {"started": False} until it is up."""
+        if not self._started:
+            return {"started": False}
+        return {"started": True, **await self.host.health()}
 
     async def stop(self) -> None:
         if self._started:
@@ -452,7 +469,8 @@ class EventRuntime:
                                                  num_gpus=asr_gpus).remote(
                 AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
                                max_streams=e.streams_per_actor,
-                               session_policy=session_policy(self.cfg)),
+                               session_policy=session_policy(self.cfg),
+                               vad_process=e.kind == "vllm"),
                 engine_options(self.cfg),
             )
         for i in range(self.cfg.ingest.actors):
@@ -544,6 +562,18 @@ class EventRuntime:
         for actor_id, handle in self.asr.items():
             want = {s for s, a in self.router.pins.items() if a == actor_id}
             try:
+                state = await asyncio.wait_for(handle.state.remote(), timeout_s)
+                if state.get("started") and state.get("engine_ok") is False:
+                    # The actor answers but its engine is dead (a crashed vLLM engine
+                    # core): only a new process brings it back. Ray restarts the actor
+                    # (max_restarts=-1); the next pass re-adds its streams.
+                    log.error("ASR actor %s: its engine is dead; replacing the actor",
+                              actor_id)
+                    metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
+                    self._actor_up(actor_id, "asr", False)
+                    ray.kill(handle, no_restart=False)
+                    problems.append(f"{actor_id}: engine dead, actor replaced")
+                    continue
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")

@@ -102,9 +102,13 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
     }
     if out["role"] == "asr":
         busy, audio = _num(h, "decode_busy_s"), _num(h, "audio_s")
+        ok = _num(h, "engine_ok")
         out.update(streams=int(_num(h, "streams") or 0),
                    max_streams=int(_num(h, "max_streams") or 0),
-                   rtf=_round(busy / audio, 3) if busy is not None and audio else None)
+                   rtf=_round(busy / audio, 3) if busy is not None and audio else None,
+                   engine_ok=None if ok is None else bool(ok),
+                   engine_mode=h.get("engine_mode"),
+                   reanchors=int(_num(h, "reanchors") or 0) if "reanchors" in h else None)
     elif out["role"] == "translator":
         out.update(finals_published=int(_num(h, "finals_published") or 0),
                    errors=int(_num(h, "errors") or 0),
@@ -202,7 +206,12 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
     for a in status["actors"]:
         if a["role"] == "asr":
             load = f"{a['streams']}/{a['max_streams']} streams"
-            extra = f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else ""
+            parts = [f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else "",
+                     "ENGINE DEAD" if a.get("engine_ok") is False else "",
+                     a.get("engine_mode") or ""]
+            if a.get("reanchors"):
+                parts.append(f"{a['reanchors']} re-anchors")
+            extra = ", ".join(p for p in parts if p)
         elif a["role"] == "translator":
             load = f"{a['finals_published']} finals"
             extra = f"errors {a['errors']}" if a.get("errors") else ""

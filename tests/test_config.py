@@ -307,16 +307,27 @@ def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     cfg = load_event(Path(__file__).parent.parent / "examples" / "voxtral-gpu.yaml")
     opts = engine_options(cfg)
     assert isinstance(opts, VllmEngineOptions)
-    assert opts.max_streams == 16 and opts.delay_s == pytest.approx(0.48)
+    assert opts.max_streams == 16 and opts.reanchor == "auto"
     fields = {"model", "tokenizer_mode", "config_format", "load_format", "dtype",
               "max_model_len", "max_num_seqs", "max_num_batched_tokens",
               "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching",
               "limit_mm_per_prompt", "compilation_config"}
     kw = engine_kwargs(opts, fields)
     assert kw["model"] == "/models/Voxtral-Mini-4B-Realtime-2602"
-    assert kw["max_num_seqs"] == 16 and kw["max_num_batched_tokens"] == 6400
+    # 16 streams + 4 slots of headroom for warm rollovers.
+    assert kw["max_num_seqs"] == 20 and kw["max_num_batched_tokens"] == 8000
     assert kw["tokenizer_mode"] == "mistral" and kw["load_format"] == "mistral"
     assert kw["max_model_len"] == 131072
+
+
+def test_vllm_delay_in_yaml_is_refused_with_where_it_comes_from(tmp_path: Path) -> None:
+    cfg = tmp_path / "v.yaml"
+    cfg.write_text("event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
+                   "    delay_ms: 480\nstreams:\n  - {id: a, source: push}\n")
+    with pytest.raises(ConfigError) as err:
+        load_event(cfg)
+    msg = str(err.value)
+    assert "v.yaml:6" in msg and "delay_ms" in msg and "tekken.json" in msg
 
 
 def test_vllm_section_without_vllm_engine_is_an_error(tmp_path: Path) -> None:

@@ -26,6 +26,11 @@ TRANSLATION_MAY_IMPORT_FROM_WORKERS = ("workers.events", "workers.bus",
                                        "workers.captions.linebreak")
 RAY_ALLOWED = ("orchestrator/runtime.py",)
 VLLM_ALLOWED = ("workers/engines/vllm*.py", "translation/backends/vllm*.py")
+# vLLM loads these by qualified name in its engine-core process (scheduler_cls,
+# worker_cls): they subclass vLLM's classes, so they import vllm at the top. Nothing in
+# the project imports them (checked below), so vllm stays out of every other process.
+VLLM_PLUGINS = ("workers/engines/vllm_reanchor/scheduler.py",
+                "workers/engines/vllm_reanchor/worker.py")
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +164,20 @@ def disallowed_vllm_imports(imports: list[Import]) -> list[Import]:
     for i in imports:
         if _top(i.module) != "vllm":
             continue
+        if i.path in VLLM_PLUGINS:
+            continue
         allowed_file = any(fnmatch(i.path, pattern) for pattern in VLLM_ALLOWED)
         if not (allowed_file and i.lazy):
             bad.append(i)
     return bad
+
+
+def plugin_imports(imports: list[Import]) -> list[Import]:
+    """Imports of the vLLM plugin modules (only vLLM may load them, by name)."""
+    plugins = {p.removesuffix(".py").replace("/", ".") for p in VLLM_PLUGINS}
+    return [i for i in imports
+            if any(i.module == p or i.module.startswith(p + ".") for p in plugins)
+            and i.path not in VLLM_PLUGINS and not i.path.startswith("tests/")]
 
 
 # -- the project ---------------------------------------------------------------
@@ -204,6 +219,11 @@ def test_vllm_is_imported_only_lazily_by_the_vllm_engine_and_backend(
         "vllm may be imported only inside functions of workers/engines/vllm*.py "
         "or translation/backends/vllm*.py",
     )
+
+
+def test_nothing_imports_the_vllm_plugin_modules(imports: list[Import]) -> None:
+    bad = plugin_imports(imports)
+    assert not bad, report(bad, "the vLLM plugin modules are loaded by vLLM only, by name")
 
 
 # -- the checker itself: it must see the imports that break the rules ----------
@@ -266,6 +286,10 @@ def test_checker_allows_vllm_only_lazily_in_the_vllm_modules() -> None:
     assert len(disallowed_vllm_imports(imports_in(eager, "workers/engines/vllm.py"))) == 1
     assert len(disallowed_vllm_imports(imports_in(lazy, "workers/engines/embedded.py"))) == 2
     assert len(disallowed_vllm_imports(imports_in(lazy, "orchestrator/runtime.py"))) == 2
+    plugin = "workers/engines/vllm_reanchor/worker.py"
+    assert disallowed_vllm_imports(imports_in(eager, plugin)) == []
+    user = "from workers.engines.vllm_reanchor.worker import ReanchorWorker\n"
+    assert len(plugin_imports(imports_in(user, "workers/engines/vllm_voxtral.py"))) == 1
 
 
 def test_checker_reports_file_and_line() -> None:

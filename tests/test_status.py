@@ -53,12 +53,16 @@ async def seed(bus: RedisBus, now: float) -> None:
         "kind": "translator", "finals_published": 14, "errors": 1, "lag_p50_s": 0.4,
         "lag_p95_s": 0.9, "lag_p50_s_pt": 0.5, "lag_p95_s_pt": 1.1, "queue_lag": 3,
         "queue_pending": 1, "queue_oldest_age_s": 2.5})
-    # asr-9 has stopped reporting; asr-7 belongs to an earlier event.
+    # asr-9 has stopped reporting; asr-7 belongs to an earlier event; asr-3 runs vLLM
+    # with re-anchoring, and its engine has died.
     await bus.redis.hset("actor:asr-9", mapping={"streams": 1, "max_streams": 2,
                                                   "updated": repr(now - 600)})
+    await bus.set_actor_status("asr-3", {"streams": 2, "max_streams": 16, "engine_ok": 0,
+                                         "engine_mode": "reanchor", "reanchors": 12,
+                                         "reanchoring": 1.0})
     await bus.set_actor_status("asr-7", {"streams": 1, "max_streams": 2})
     await register_actors(bus, ["asr-7"])
-    await register_actors(bus, ["asr-0", "asr-9", "translator-0"])
+    await register_actors(bus, ["asr-0", "asr-3", "asr-9", "translator-0"])
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -96,7 +100,10 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert hall["translations"]["es"]["last_age_s"] is None
     assert annex["state"] == "unplaced"
     actors = {a["id"]: a for a in body["actors"]}
-    assert set(actors) == {"asr-0", "asr-9", "translator-0"}
+    assert set(actors) == {"asr-0", "asr-3", "asr-9", "translator-0"}
+    assert actors["asr-3"]["engine_ok"] is False
+    assert actors["asr-3"]["engine_mode"] == "reanchor" and actors["asr-3"]["reanchors"] == 12
+    assert actors["asr-0"]["engine_ok"] is None  # an engine that says nothing
     assert actors["asr-0"]["rtf"] == 0.25 and not actors["asr-0"]["silent"]
     assert actors["asr-9"]["silent"]
     assert actors["translator-0"]["queue_waiting"] == 3
@@ -113,6 +120,8 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert "3 waiting, 1 in progress" in out
     assert any(line.split()[:4] == ["hall", "pt", "0.50", "s"] for line in out.splitlines())
     assert "1/2 streams" in out and "rtf 0.25" in out and "SILENT" in out
+    asr3 = next(line for line in out.splitlines() if line.startswith("asr-3 "))
+    assert "ENGINE DEAD" in asr3 and "reanchor" in asr3 and "12 re-anchors" in asr3
     assert "Clients: 1 connected; hall: pt 1" in out
     assert as_json.returncode == 0
     assert json.loads(as_json.stdout)["streams"][0]["id"] == "hall"

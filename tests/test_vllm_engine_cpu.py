@@ -1,161 +1,368 @@
-"""The `vllm` engine's plain parts, without vLLM: options → engine args, capability
-detection, and session bookkeeping against a fake backend (named as such) that
-implements the same async API as the real AsyncLLM backend."""
+"""The `vllm` engine's plain parts, without vLLM: options → engine args, the stream
+geometry from tekken.json, session budgets, slots, health, stamps and pacing, against
+a fake backend (tests/fake_vllm.py, named as such) that implements the real backend's
+async API and paces prompts like Voxtral's realtime buffer."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
-import numpy as np
 import pytest
 
+from tests.fake_vllm import FRAME, FakeVllmBackend
 from workers.engines.base import EngineError, SessionOptions
 from workers.engines.vllm_voxtral import (
+    AHEAD_FRAMES,
+    SCHEDULER_CLS,
+    WORKER_CLS,
+    StreamGeometry,
     VllmEngineOptions,
     VllmVoxtralEngine,
     capabilities_for,
     engine_kwargs,
+    read_geometry,
+    wants_reanchor,
 )
-from workers.events import AudioChunk
+from workers.events import SAMPLE_RATE, AudioChunk, Word
+from workers.sessions.manager import session_budget
 
 pytestmark = pytest.mark.unit
 
 STOCK_026 = {"model", "tokenizer_mode", "config_format", "load_format", "dtype",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching",
-             "limit_mm_per_prompt", "compilation_config", "attention_backend"}
-UNBOUNDED = STOCK_026 | {"enable_realtime_unbounded", "realtime_blank_run_k"}
+             "limit_mm_per_prompt", "compilation_config", "attention_backend",
+             "scheduler_cls", "worker_cls", "async_scheduling"}
+FORK = STOCK_026 | {"enable_realtime_unbounded", "realtime_blank_run_k"}
+G480 = StreamGeometry(delay_s=0.48, left_pad=32, right_pad=17)
 
 
-def test_engine_args_follow_the_documented_mapping() -> None:
+def run(coro: object, timeout: float = 20) -> object:
+    return asyncio.run(asyncio.wait_for(coro, timeout))  # type: ignore[arg-type]
+
+
+def chunk(i: int, pos0: int = 0, frames: int = 1) -> AudioChunk:
+    return AudioChunk("s", pos0 + i * FRAME * frames, bytes(2 * FRAME * frames), time.time())
+
+
+def engine_with(backend: FakeVllmBackend, **opts: object) -> VllmVoxtralEngine:
+    return VllmVoxtralEngine(VllmEngineOptions(model="/m", **opts),  # type: ignore[arg-type]
+                             backend=backend, geometry=G480)
+
+
+# -- options ----------------------------------------------------------------------------
+
+def test_engine_args_leave_headroom_for_rollovers() -> None:
     kw = engine_kwargs(VllmEngineOptions(model="/m", max_streams=16, load_format="dummy"),
                        STOCK_026)
-    assert kw["max_num_seqs"] == 16
-    assert kw["max_num_batched_tokens"] == 400 * 16
+    # A warm rollover opens a 17th session for a moment: max_num_seqs must allow it.
+    assert kw["max_num_seqs"] == 20
+    assert kw["max_num_batched_tokens"] == 400 * 20
     assert kw["tokenizer_mode"] == kw["config_format"] == "mistral"
-    assert kw["load_format"] == "dummy"
     assert kw["enable_prefix_caching"] is False
     assert kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
-    assert "enable_realtime_unbounded" not in kw
+    assert "scheduler_cls" not in kw
+    assert engine_kwargs(VllmEngineOptions(model="/m", max_streams=2), STOCK_026)[
+        "max_num_seqs"] == 3
+    assert engine_kwargs(VllmEngineOptions(model="/m", max_streams=8, rollover_headroom=0),
+                         STOCK_026)["max_num_seqs"] == 8
 
 
-def test_unbounded_vllm_is_detected_and_used() -> None:
-    o = VllmEngineOptions(model="/m")
-    kw = engine_kwargs(o, UNBOUNDED)
-    assert kw["enable_realtime_unbounded"] is True and kw["realtime_blank_run_k"] == 200
-    assert capabilities_for(o, UNBOUNDED).reanchors_natively
-    stock = capabilities_for(VllmEngineOptions(model="/m", max_model_len=600), STOCK_026)
-    assert not stock.reanchors_natively
-    assert stock.max_session_s == pytest.approx(48.0)
+def test_fork_flags_are_never_switched_on_or_claimed() -> None:
+    """A fork's enable_realtime_unbounded needs per-request wiring this engine does not
+    do, so it must neither be switched on nor reported as native re-anchoring."""
+    o = VllmEngineOptions(model="/m", reanchor="off")
+    kw = engine_kwargs(o, FORK)
+    assert "enable_realtime_unbounded" not in kw and "realtime_blank_run_k" not in kw
+    engine = engine_with(FakeVllmBackend(), reanchor="off")
+    assert not engine.capabilities.reanchors_natively
+    assert engine.capabilities.max_session_s is not None
 
 
-@dataclass
-class _Completion:
-    token_ids: list[int]
-    text: str
+def test_reanchor_plugin_is_asked_for_only_where_it_was_run() -> None:
+    auto = VllmEngineOptions(model="/m")
+    assert wants_reanchor(auto, "0.26.0", STOCK_026)
+    assert not wants_reanchor(auto, "0.33.0", STOCK_026)  # not run there: roll over
+    assert wants_reanchor(VllmEngineOptions(model="/m", reanchor="on"), "0.33.0", STOCK_026)
+    assert not wants_reanchor(VllmEngineOptions(model="/m", reanchor="off"), "0.26.0",
+                              STOCK_026)
+    assert not wants_reanchor(auto, "0.26.0", STOCK_026 - {"worker_cls"})
+    kw = engine_kwargs(auto, STOCK_026, reanchor=True)
+    assert kw["scheduler_cls"] == SCHEDULER_CLS and kw["worker_cls"] == WORKER_CLS
+    assert kw["async_scheduling"] is True
 
 
-@dataclass
-class _Output:
-    outputs: list[_Completion]
+def test_plugin_classes_are_named_where_they_live() -> None:
+    root = Path(__file__).resolve().parent.parent
+    for qualname in (SCHEDULER_CLS, WORKER_CLS):
+        module, cls = qualname.rsplit(".", 1)
+        source = (root / (module.replace(".", "/") + ".py")).read_text()
+        assert f"class {cls}(" in source
 
 
-@dataclass
-class FakeVllmBackend:
-    """FAKE: stands in for AsyncLLM where vLLM cannot run. One prompt per audio chunk,
-    one output per prompt; every 5th output carries text; fed-back tokens are checked."""
+# -- geometry and budgets (padding counts) ---------------------------------------------
 
-    aborted: list[str] = field(default_factory=list)
-    fed_back: int = 0
-    fail_after: int | None = None
-
-    async def prompts(self, audio: AsyncIterator[np.ndarray],
-                      tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
-        n = 0
-        async for chunk in audio:
-            n += 1
-            if n > 1:
-                await asyncio.wait_for(tokens.get(), 5)  # the session fed the last output back
-                self.fed_back += 1
-            yield chunk.size
-
-    async def generate(self, prompts: AsyncIterator[Any], request_id: str) -> AsyncIterator[Any]:
-        n = 0
-        async for _ in prompts:
-            n += 1
-            if self.fail_after is not None and n > self.fail_after:
-                raise RuntimeError("fake engine failure")
-            yield _Output([_Completion([32], f" w{n}" if n % 5 == 0 else "")])
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def shutdown(self) -> None:
-        """Nothing to release."""
+def test_geometry_comes_from_the_model_folder(tmp_path: Path) -> None:
+    (tmp_path / "tekken.json").write_text(json.dumps(
+        {"audio": {"transcription_delay_ms": 480, "streaming_n_left_pad_tokens": 32}}))
+    g = read_geometry(str(tmp_path))
+    assert g == G480 and g.first_frames == 7
+    (tmp_path / "tekken.json").write_text(json.dumps(
+        {"audio": {"transcription_delay_ms": 960, "streaming_n_left_pad_tokens": 32}}))
+    assert read_geometry(str(tmp_path)).right_pad == 12 + 11
+    (tmp_path / "tekken.json").write_text(json.dumps({"vocab": []}))
+    with pytest.raises(EngineError, match="transcription_delay_ms"):
+        read_geometry(str(tmp_path))
+    with pytest.raises(EngineError, match=r"nothing/tekken\.json"):
+        read_geometry(str(tmp_path / "nothing"))
 
 
-def chunk(i: int) -> AudioChunk:
-    return AudioChunk("s", i * 1280, bytes(2560), time.time())
+def test_session_budget_counts_the_padding_positions() -> None:
+    o = VllmEngineOptions(model="/m", max_model_len=600)
+    caps = capabilities_for(o, G480, reanchoring=False)
+    # 600 positions − 32 left pad − 17 right pad − 16 slack, × 80 ms (not 600 × 80 ms).
+    assert caps.max_session_s == pytest.approx((600 - 32 - 17 - 16) * 0.08)
+    assert session_budget(None, caps) == caps.max_session_s
+    assert session_budget(100.0, caps) == caps.max_session_s  # clamped
+    assert session_budget(30.0, caps) == 30.0
+    reanchoring = capabilities_for(o, G480, reanchoring=True)
+    assert reanchoring.reanchors_natively and session_budget(None, reanchoring) is None
 
+
+# -- sessions --------------------------------------------------------------------------
 
 def test_session_feeds_tokens_back_drops_empty_deltas_and_ends_cleanly() -> None:
-    async def run() -> tuple[list[str], FakeVllmBackend, VllmVoxtralEngine]:
-        backend = FakeVllmBackend()
-        engine = VllmVoxtralEngine(VllmEngineOptions(model="/m"), backend=backend,
-                                   available=STOCK_026)
+    async def go() -> tuple[list[Word], FakeVllmBackend, VllmVoxtralEngine]:
+        backend = FakeVllmBackend(right_pad=3)
+        engine = engine_with(backend)
         session = engine.open_session(SessionOptions("s"))
-        for i in range(20):
+        for i in range(26):
             await session.push(chunk(i))
         await session.end_input()
-        texts = [w.text async for d in session for w in d.committed]
-        return texts, backend, engine
+        words = [w async for d in session for w in d.committed]
+        await asyncio.sleep(0)
+        return words, backend, engine
 
-    texts, backend, engine = asyncio.run(asyncio.wait_for(run(), 10))
-    assert texts == [" w5", " w10", " w15", " w20"]
-    assert backend.fed_back == 19
+    words, backend, engine = run(go())  # type: ignore[misc]
+    # 26 frames: 26 − 7 + 1 = 20 outputs on audio, then 3 on the right padding.
+    assert [w.text for w in words] == [" w4", " w9", " w14", " w19"]
+    assert backend.fed_back == 22
     assert backend.aborted == [], "a finished request needs no abort"
     assert engine.sessions_open == 0
 
 
-def test_closing_mid_stream_aborts_the_request() -> None:
-    async def run() -> FakeVllmBackend:
-        backend = FakeVllmBackend()
-        engine = VllmVoxtralEngine(VllmEngineOptions(model="/m"), backend=backend,
-                                   available=STOCK_026)
+def test_stamps_come_from_the_output_index_not_from_arrival() -> None:
+    """Audio replayed into a new session (rollover overlap, rut replay) arrives all at
+    once; each word still gets the time of the audio it was decoded from."""
+    async def go() -> tuple[list[Word], FakeVllmBackend]:
+        backend = FakeVllmBackend(right_pad=0)
+        engine = engine_with(backend)
         session = engine.open_session(SessionOptions("s"))
-        for i in range(3):
+        start = 10 * SAMPLE_RATE  # the replayed window starts 10 s into the stream
+        for i in range(100):  # 8 s of audio, all at once
+            session.push_nowait(chunk(i, pos0=start))
+        await session.end_input()
+        return [w async for d in session for w in d.committed], backend
+
+    words, _ = run(go())  # type: ignore[misc]
+    assert words
+    for w in words:
+        k = int(w.text.strip()[1:])
+        assert w.end_s == pytest.approx(10.0 + (k + 1) * 0.08)
+    ends = [w.end_s for w in words]
+    assert ends == sorted(ends)
+
+
+def test_audio_reaches_the_model_at_its_pace_and_the_input_bound_holds() -> None:
+    """Pushed faster than the model decodes, audio waits in the session's bounded queue
+    (oldest dropped and counted), never in the model buffer's unbounded one."""
+    async def go() -> tuple[list[Word], FakeVllmBackend, int]:
+        backend = FakeVllmBackend(right_pad=0)
+        engine = engine_with(backend)
+        session = engine.open_session(SessionOptions("s"))
+        for i in range(700):  # 56 s at once: 100 over the 600-chunk bound
+            session.push_nowait(chunk(i))
+        dropped = session.dropped_chunks
+        await session.end_input()
+        return [w async for d in session for w in d.committed], backend, dropped
+
+    words, backend, dropped = run(go())  # type: ignore[misc]
+    assert dropped == 100
+    assert backend.max_ahead <= (AHEAD_FRAMES + 1) * FRAME, backend.max_ahead
+    # The first 100 chunks were dropped: the session's audio starts at chunk 100, and
+    # the stamps say so.
+    first = words[0]
+    k = int(first.text.strip()[1:])
+    assert first.end_s == pytest.approx(100 * 0.08 + (k + 1) * 0.08)
+
+
+def test_a_hole_in_the_input_keeps_later_stamps_right() -> None:
+    async def go() -> list[Word]:
+        backend = FakeVllmBackend(right_pad=0, text_every=1)
+        engine = engine_with(backend)
+        session = engine.open_session(SessionOptions("s"))
+        for i in [*range(40), *range(50, 90)]:  # chunks 40..49 lost upstream
+            session.push_nowait(chunk(i))
+        await session.end_input()
+        return [w async for d in session for w in d.committed]
+
+    words = run(go())  # type: ignore[arg-type]
+    by_k = {int(w.text.strip()[1:]): w for w in words}  # type: ignore[union-attr]
+    assert by_k[10].end_s == pytest.approx(11 * 0.08)  # model sample 11·1280: before
+    assert by_k[45].end_s == pytest.approx((46 + 10) * 0.08)  # after the hole: +10 frames
+
+
+def test_sessions_beyond_the_slots_are_refused_and_slots_come_back() -> None:
+    """vLLM 0.26's V2 runner dies ("No free indices") when more requests are live than
+    max_num_seqs: the engine never opens more sessions than its slots."""
+    async def go() -> tuple[int, int]:
+        engine = engine_with(FakeVllmBackend(), max_streams=2, rollover_headroom=1)
+        sessions = [engine.open_session(SessionOptions(f"s{i}")) for i in range(3)]
+        with pytest.raises(EngineError, match="slots"):
+            engine.open_session(SessionOptions("x"))
+        await sessions[0].aclose()
+        again = engine.open_session(SessionOptions("y"))
+        # Cancelled before its task ever ran: the slot still comes back.
+        quick = engine.open_session(SessionOptions("z")) if engine.sessions_open < 3 else None
+        await again.aclose()
+        if quick is not None:
+            await quick.aclose()
+        for s in sessions[1:]:
+            await s.aclose()
+        await asyncio.sleep(0)
+        return engine.sessions_open, engine.slot_refusals
+
+    open_after, refusals = run(go())  # type: ignore[misc]
+    assert open_after == 0 and refusals == 1
+
+
+def test_a_session_cancelled_before_it_ran_frees_its_slot() -> None:
+    async def go() -> int:
+        engine = engine_with(FakeVllmBackend(), max_streams=1, rollover_headroom=0)
+        s = engine.open_session(SessionOptions("s"))
+        await s.aclose()  # cancels a task that has not started yet
+        await asyncio.sleep(0)
+        return engine.sessions_open
+
+    assert run(go()) == 0
+
+
+def test_a_dead_engine_is_unhealthy_and_fails_sessions_for_good() -> None:
+    async def go() -> tuple[bool, bool, EngineError, EngineError]:
+        backend = FakeVllmBackend(fail_after=5)
+        engine = engine_with(backend)
+        healthy = await engine.check_health()
+        session = engine.open_session(SessionOptions("s"))
+        backend.errored = True  # the engine core died; its requests fail
+        for i in range(30):
+            await session.push(chunk(i))
+        try:
+            async for _ in session:
+                pass
+            raise AssertionError("the session did not fail")
+        except EngineError as exc:
+            running = exc
+        try:
+            engine.open_session(SessionOptions("t"))
+            raise AssertionError("a dead engine opened a session")
+        except EngineError as exc:
+            opening = exc
+        return healthy, await engine.check_health(), running, opening
+
+    healthy, after, running, opening = run(go())  # type: ignore[misc]
+    assert healthy and not after
+    assert not running.retryable and not opening.retryable
+
+
+def test_a_failing_request_is_an_engine_error() -> None:
+    async def go() -> None:
+        engine = engine_with(FakeVllmBackend(fail_after=3))
+        session = engine.open_session(SessionOptions("s"))
+        for i in range(20):
+            await session.push(chunk(i))
+        async for _ in session:
+            pass
+
+    with pytest.raises(EngineError) as err:
+        run(go())
+    assert err.value.retryable
+
+
+def test_closing_mid_stream_aborts_the_request() -> None:
+    async def go() -> FakeVllmBackend:
+        backend = FakeVllmBackend()
+        engine = engine_with(backend)
+        session = engine.open_session(SessionOptions("s"))
+        for i in range(12):
             await session.push(chunk(i))
         await asyncio.sleep(0.05)
         await session.aclose()
         return backend
 
-    backend = asyncio.run(asyncio.wait_for(run(), 10))
-    assert len(backend.aborted) == 1 and backend.aborted[0].startswith("bc-s-")
+    backend = run(go())
+    assert len(backend.aborted) == 1 and backend.aborted[0].startswith("bc-s-")  # type: ignore[union-attr]
 
 
-def test_engine_failure_surfaces_as_an_engine_error() -> None:
-    async def run() -> None:
-        engine = VllmVoxtralEngine(VllmEngineOptions(model="/m"),
-                                   backend=FakeVllmBackend(fail_after=3), available=STOCK_026)
+def test_shutdown_runs_off_the_event_loop() -> None:
+    """AsyncLLM.shutdown() blocks while the engine core stops; the actor's loop (other
+    streams, health answers) must keep running meanwhile."""
+    async def go() -> float:
+        engine = engine_with(FakeVllmBackend(shutdown_block_s=0.6))
+        gaps: list[float] = []
+        stop = False
+
+        async def ticker() -> None:
+            last = time.monotonic()
+            while not stop:
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        t = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        await engine.aclose()
+        stop = True
+        await t
+        return max(gaps)
+
+    assert run(go()) < 0.3
+
+
+def test_a_session_ends_itself_before_max_model_len() -> None:
+    """Without re-anchoring (or when it falls behind) the session stops feeding before
+    its positions would pass max_model_len, so the manager replaces it in time."""
+    async def go(shift: int) -> tuple[int, int]:
+        backend = FakeVllmBackend(right_pad=0)
+        engine = engine_with(backend, max_model_len=160, reanchor="off")
         session = engine.open_session(SessionOptions("s"))
-        for i in range(10):
-            await session.push(chunk(i))
+        engine._shifts[session.request_id] = shift  # type: ignore[attr-defined]
+        for i in range(300):
+            session.push_nowait(chunk(i))
+        await session.end_input()
         async for _ in session:
             pass
+        return session.outputs, engine.overruns  # type: ignore[attr-defined]
 
-    with pytest.raises(EngineError):
-        asyncio.run(asyncio.wait_for(run(), 10))
+    outputs, overruns = run(go(0))  # type: ignore[misc]
+    # The first prompt holds 39 positions (BOS, 32 of left pad, 6 of delay), each later
+    # output one more; the right padding adds 17: all below max_model_len.
+    assert overruns == 1
+    assert 160 - 16 - 2 <= 38 + outputs + 17 < 160
+    outputs, overruns = run(go(10_000))  # type: ignore[misc]
+    assert overruns == 0 and outputs == 300 - 7 + 1  # re-anchored: all audio decoded
 
 
 def test_module_imports_without_vllm_installed() -> None:
     code = ("import sys; sys.modules['vllm'] = None; "
-            "import workers.engines.vllm_voxtral as m; print(m.VllmVoxtralEngine.__name__)")
+            "import workers.engines.vllm_voxtral as m; "
+            "import workers.engines.vllm_reanchor.plan, workers.engines.vllm_reanchor.rope; "
+            "print(m.VllmVoxtralEngine.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr

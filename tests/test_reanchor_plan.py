@@ -1,0 +1,267 @@
+"""The bookkeeping of one re-anchor (workers/engines/vllm_reanchor/plan.py) on plain
+objects shaped like vLLM 0.26's scheduler objects: `Request`, the single-type KV cache
+managers of a hybrid coordinator (Voxtral: the decoder's 8192-token window, the pooled
+audio encoder's 189-position window), `KVCacheBlock`s with a shared null block, the
+encoder cache manager, `PlaceholderRange`/`MultiModalFeatureSpec`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from workers.engines.vllm_reanchor.plan import (
+    CannotReanchor,
+    Geometry,
+    apply,
+    check,
+    due,
+    geometry_of,
+)
+
+pytestmark = pytest.mark.unit
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    offset: int
+    length: int
+    is_embed: object = None
+
+
+@dataclass
+class Feature:
+    identifier: str
+    mm_position: PlaceholderRange
+    modality: str = "audio"
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    is_null: bool = False
+
+
+@dataclass
+class Pool:
+    freed: list[int] = field(default_factory=list)
+
+    def free_blocks(self, blocks: list[Block]) -> None:
+        self.freed.extend(b.block_id for b in blocks)
+
+
+NULL = Block(0, is_null=True)
+
+
+@dataclass
+class Manager:
+    block_size: int
+    sliding_window: int | None
+    req_to_blocks: dict[str, list[Block]] = field(default_factory=dict)
+    num_cached_block: dict[str, int] = field(default_factory=dict)
+    block_pool: Pool = field(default_factory=Pool)
+    _null_block: Block = NULL
+
+
+@dataclass
+class EncoderCache:
+    request_cached_ids: dict[str, set[int]] = field(default_factory=dict)
+    freed: list[tuple[str, int]] = field(default_factory=list)
+
+    def free_encoder_input(self, request: Request, input_id: int) -> None:
+        self.freed.append((request.request_id, input_id))
+        self.request_cached_ids[request.request_id].discard(input_id)
+
+
+@dataclass
+class Request:
+    request_id: str
+    num_computed_tokens: int
+    _all_token_ids: list[int]
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    mm_features: list[Feature]
+    num_output_placeholders: int = 0
+    num_in_flight_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[object] = field(default_factory=list)
+    prompt_embeds: object = None
+    prompt_is_token_ids: object = None
+
+
+_ids = iter(range(1, 10**9))
+
+
+def blocks_for(n_tokens: int, block_size: int, window: int | None) -> list[Block]:
+    """Blocks of a request with n computed tokens, the ones out of the window already
+    freed to the null block (what SlidingWindowManager.remove_skipped_blocks does)."""
+    count = -(-n_tokens // block_size)
+    skipped = 0 if window is None else max(0, n_tokens - window + 1) // block_size
+    return [NULL if i < skipped else Block(next(_ids)) for i in range(count)]
+
+
+def session(n: int, new: int = 1, managers: tuple[Manager, ...] = ()) -> Request:
+    """A streaming request at a chunk boundary: n computed positions (the first prompt
+    of 39 tokens, then one token per chunk), `new` positions of the next chunk queued."""
+    tokens = list(range(n + new))
+    features = [Feature("f0", PlaceholderRange(0, 39))]
+    features += [Feature(f"f{p}", PlaceholderRange(p, 1)) for p in range(39, n + new)]
+    req = Request("r", n, tokens, list(tokens), len(tokens), features)
+    for m in managers:
+        m.req_to_blocks["r"] = blocks_for(n, m.block_size, m.sliding_window)
+        m.num_cached_block["r"] = len(m.req_to_blocks["r"])
+    return req
+
+
+def voxtral() -> tuple[Manager, Manager]:
+    return Manager(block_size=128, sliding_window=8192), Manager(block_size=16,
+                                                                 sliding_window=189)
+
+
+def test_geometry_of_voxtral_groups() -> None:
+    g = geometry_of(voxtral())
+    assert g.unit == 128 and g.keep == 8191 and g.why_not() is None
+    full = Geometry((16,), (None,))
+    assert full.why_not() is not None
+    with pytest.raises(CannotReanchor):
+        _ = full.keep
+
+
+def test_a_reanchor_drops_whole_head_blocks_and_shifts_everything_alike() -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    enc_blocks_before = list(enc.req_to_blocks["r"])
+    dec_blocks_before = list(dec.req_to_blocks["r"])
+    cache = EncoderCache({"r": {len(req.mm_features) - 1}})  # the queued chunk's embeds
+    shift = check(req, (dec, enc), geometry_of((dec, enc)))
+    assert shift == (9000 - 8191) // 128 * 128 == 768
+    r = apply(req, (dec, enc), cache, shift, seq=1)
+
+    assert req.num_computed_tokens == 9000 - 768
+    assert req._all_token_ids[0] == 768 and len(req._all_token_ids) == 9001 - 768
+    assert req.prompt_token_ids == req._all_token_ids and req.num_prompt_tokens == 9001 - 768
+    # Features wholly before 768 are gone; the rest moved down by 768, in order.
+    assert req.mm_features[0].identifier == "f768"
+    assert [f.mm_position.offset for f in req.mm_features[:3]] == [0, 1, 2]
+    assert req.mm_features[-1].mm_position.offset == 9000 - 768
+    # The queued chunk's cached embeddings keep pointing at the same feature.
+    assert cache.request_cached_ids["r"] == {len(req.mm_features) - 1}
+    assert cache.freed == []
+    # Head blocks: 768/128 = 6 decoder blocks, 768/16 = 48 encoder blocks, all null.
+    assert dec.req_to_blocks["r"] == dec_blocks_before[6:]
+    assert enc.req_to_blocks["r"] == enc_blocks_before[48:]
+    assert dec.num_cached_block["r"] == len(dec_blocks_before) - 6
+    assert dec.block_pool.freed == [] and enc.block_pool.freed == []
+    # The worker re-rotates exactly the live blocks, per group, after the shift.
+    assert r.shift == 768 and r.seq == 1 and r.request_id == "r"
+    assert r.block_ids[0] == tuple(b.block_id for b in dec.req_to_blocks["r"] if not b.is_null)
+    assert r.block_ids[1] == tuple(b.block_id for b in enc.req_to_blocks["r"] if not b.is_null)
+
+
+def test_every_position_a_query_can_see_stays_in_a_live_block() -> None:
+    """A session run for 3 × max_model_len of chunks with re-anchoring whenever due:
+    positions never reach max_model_len, and after each re-anchor every position in the
+    next query's window of every group is in a live block."""
+    max_model_len, every = 12288, 2048
+    dec, enc = voxtral()
+    managers = (dec, enc)
+    g = geometry_of(managers)
+    req = session(39, managers=managers)
+    cache = EncoderCache()
+    reanchors = 0
+    absolute = 39  # positions the session has ever taken (no cap)
+    for _ in range(3 * max_model_len):
+        if due(req.num_computed_tokens, g, every):
+            apply(req, managers, cache, check(req, managers, g), seq=reanchors)
+            reanchors += 1
+            n = req.num_computed_tokens
+            for m in managers:
+                assert m.sliding_window is not None
+                first_seen = max(0, n - m.sliding_window + 1)
+                blocks = m.req_to_blocks["r"]
+                for p in range(first_seen, n):
+                    assert not blocks[p // m.block_size].is_null, (m.block_size, p)
+        # The chunk runs: one more position computed, then the next chunk is queued.
+        req.num_computed_tokens += 1
+        absolute += 1
+        p = req.num_computed_tokens
+        req._all_token_ids.append(p)
+        req.prompt_token_ids.append(p)
+        req.num_prompt_tokens += 1
+        req.mm_features.append(Feature(f"a{absolute}", PlaceholderRange(p, 1)))
+        for m in managers:
+            blocks = m.req_to_blocks["r"]
+            while len(blocks) * m.block_size < p + 1:
+                blocks.append(Block(next(_ids)))
+            assert m.sliding_window is not None
+            skipped = max(0, p - m.sliding_window + 1) // m.block_size
+            for i in range(skipped):
+                blocks[i] = NULL
+        assert len(req._all_token_ids) < max_model_len
+    assert absolute > 3 * max_model_len and reanchors >= 10
+
+
+def test_a_feature_is_never_cut() -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    # One 500-position feature straddles the naive shift (768): stop at its start.
+    req.mm_features = [Feature("big", PlaceholderRange(700, 500)),
+                       *[Feature(f"f{p}", PlaceholderRange(p, 1)) for p in range(1200, 9001)]]
+    shift = check(req, (dec, enc), geometry_of((dec, enc)))
+    assert shift == 640  # 700 rounded down to the 128-position unit
+    apply(req, (dec, enc), EncoderCache(), shift, seq=1)
+    assert req.mm_features[0].mm_position == PlaceholderRange(60, 500)
+
+
+def test_cached_embeddings_of_dropped_features_are_freed_and_the_rest_renumbered() -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    n_drop = sum(1 for f in req.mm_features if f.mm_position.offset + 1 <= 768)
+    cache = EncoderCache({"r": {0, 5, n_drop + 2}})
+    apply(req, (dec, enc), cache, 768, seq=1)
+    assert sorted(i for _, i in cache.freed) == [0, 5]
+    assert cache.request_cached_ids["r"] == {2}
+
+
+def test_stale_head_blocks_are_freed_not_leaked() -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    stale = Block(999_999)
+    dec.req_to_blocks["r"][0] = stale  # not yet freed to the null block
+    apply(req, (dec, enc), EncoderCache(), 768, seq=1)
+    assert dec.block_pool.freed == [999_999]
+
+
+@pytest.mark.parametrize(("field_name", "value", "why"), [
+    ("num_output_placeholders", 1, "in flight"),
+    ("num_in_flight_tokens", 1, "in flight"),
+    ("spec_token_ids", [5], "speculative"),
+    ("block_hashes", [b"h"], "prefix caching"),
+    ("prompt_embeds", object(), "embeddings"),
+])
+def test_a_request_that_is_not_at_a_clean_boundary_is_left_alone(
+        field_name: str, value: object, why: str) -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    setattr(req, field_name, value)
+    with pytest.raises(CannotReanchor, match=why):
+        check(req, (dec, enc), geometry_of((dec, enc)))
+    assert req.num_computed_tokens == 9000 and len(req._all_token_ids) == 9001
+
+
+def test_nothing_moves_while_every_position_is_in_a_window() -> None:
+    dec, enc = voxtral()
+    req = session(8300, managers=(dec, enc))
+    with pytest.raises(CannotReanchor, match="window"):
+        check(req, (dec, enc), geometry_of((dec, enc)))
+    assert not due(8300, geometry_of((dec, enc)), 128)
+    assert due(8191 + 4096, geometry_of((dec, enc)), 4096)
+    assert not due(8191 + 4095, geometry_of((dec, enc)), 4096)
+
+
+def test_output_tokens_mean_the_request_is_not_at_a_chunk_boundary() -> None:
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    req._all_token_ids.append(7)  # a sampled token not yet folded into the prompt
+    with pytest.raises(CannotReanchor, match="chunk boundary"):
+        check(req, (dec, enc), geometry_of((dec, enc)))

@@ -1,0 +1,139 @@
+"""vLLM scheduler with re-anchoring (loaded by vLLM as `scheduler_cls`, engine-core side).
+
+Tested against vLLM 0.26.0 (the H200). Which requests re-anchor is the client's choice:
+`SamplingParams.extra_args["babelcast_reanchor_every"]` (positions between re-anchors);
+other requests are scheduled exactly as stock vLLM schedules them.
+
+When a flagged streaming request receives its next chunk (`_update_request_as_session`)
+and enough positions are out of every window, it is marked due. At the start of the
+next `schedule()` — the request is waiting with its chunk queued and nothing in
+flight — `plan` lowers its positions; the worker's instructions ride on that step's
+`SchedulerOutput` (attribute `babelcast_reanchors`), which the worker applies before
+the step's forward pass. Instructions stay attached until a step with tokens carries
+them (a step without tokens may not reach the worker); the worker applies each one
+once (by sequence number).
+
+A request that cannot move now stays as it is and is tried again at its next chunk;
+the reason goes to the worker (`babelcast_reanchor_failures`), which counts it.
+Exceptions never leave this class: a failing re-anchor must not kill the engine core.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from workers.engines.vllm_reanchor.plan import (
+    CannotReanchor,
+    Geometry,
+    Reanchor,
+    apply,
+    check,
+    due,
+    geometry_of,
+)
+
+log = logging.getLogger(__name__)
+
+EXTRA_ARG = "babelcast_reanchor_every"
+REANCHORS_ATTR = "babelcast_reanchors"
+FAILURES_ATTR = "babelcast_reanchor_failures"
+
+
+def reanchor_every(request: Any) -> int | None:
+    params = request.sampling_params
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    if not extra:
+        return None
+    every = extra.get(EXTRA_ARG)
+    return int(every) if every else None
+
+
+class _ReanchorMixin:
+    """Shared by the async and the synchronous scheduler below."""
+
+    _bc_geometry: Geometry | None
+    _bc_due: set[str]
+    _bc_pending: list[Reanchor]
+    _bc_failures: dict[str, str]
+    _bc_seq: int
+
+    def _bc_init(self) -> None:
+        self._bc_due = set()
+        self._bc_pending = []
+        self._bc_failures = {}
+        self._bc_seq = 0
+        try:
+            geometry = geometry_of(self._bc_managers())
+            why = geometry.why_not()
+        except Exception as exc:  # an unknown vLLM layout: re-anchoring stays off
+            geometry, why = None, f"{type(exc).__name__}: {exc}"
+        self._bc_geometry = geometry if why is None else None
+        if why is not None:
+            log.warning("babelcast re-anchoring is off in this engine: %s", why)
+
+    def _bc_managers(self) -> tuple[Any, ...]:
+        return tuple(self.kv_cache_manager.coordinator.single_type_managers)  # type: ignore[attr-defined]
+
+    def _update_request_as_session(self, session: Any, update: Any) -> None:
+        super()._update_request_as_session(session, update)  # type: ignore[misc]
+        geometry = self._bc_geometry
+        if geometry is None:
+            return
+        every = reanchor_every(session)
+        if every is not None and due(session.num_computed_tokens, geometry, every):
+            self._bc_due.add(session.request_id)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        if self._bc_due:
+            self._bc_reanchor_due()
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._bc_pending:
+            setattr(out, REANCHORS_ATTR, tuple(self._bc_pending))
+            if out.total_num_scheduled_tokens > 0:
+                self._bc_pending = []
+        if self._bc_failures:
+            setattr(out, FAILURES_ATTR, dict(self._bc_failures))
+            if out.total_num_scheduled_tokens > 0:
+                self._bc_failures = {}
+        return out
+
+    def _bc_reanchor_due(self) -> None:
+        geometry = self._bc_geometry
+        assert geometry is not None
+        requests: dict[str, Any] = self.requests  # type: ignore[attr-defined]
+        for rid in sorted(self._bc_due):
+            request = requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING:
+                # Finished, or (unusually) scheduled already: try at its next chunk.
+                self._bc_due.discard(rid)
+                continue
+            self._bc_due.discard(rid)
+            try:
+                managers = self._bc_managers()
+                shift = check(request, managers, geometry)
+                self._bc_seq += 1
+                self._bc_pending.append(apply(
+                    request, managers, self.encoder_cache_manager,  # type: ignore[attr-defined]
+                    shift, self._bc_seq))
+            except CannotReanchor as exc:
+                self._bc_failures[rid] = str(exc)
+            except Exception as exc:
+                log.exception("babelcast re-anchor of %s failed", rid)
+                self._bc_failures[rid] = f"{type(exc).__name__}: {exc}"
+
+
+class ReanchorAsyncScheduler(_ReanchorMixin, AsyncScheduler):  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bc_init()
+
+
+class ReanchorScheduler(_ReanchorMixin, Scheduler):  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bc_init()

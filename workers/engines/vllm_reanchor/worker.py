@@ -1,0 +1,185 @@
+"""vLLM GPU worker that re-rotates cached keys (loaded by vLLM as `worker_cls`).
+
+Before each step's forward pass it applies the re-anchors that the scheduler attached to
+the step (`scheduler.REANCHORS_ATTR`): for every attention layer of every KV cache
+group, the keys of the request's live blocks are rotated by R(−D·s), where s is the
+layer's rope positions per session position (1 for the decoder, `block_pool_size` for
+Voxtral's pooled encoder). Runner-agnostic: the caches are found through the layers'
+forward context, not through the model runner's own bookkeeping.
+
+Supported where every KV cache group is a sliding window, every layer uses FlashAttention
+with vLLM 0.26's cache layout ([blocks, heads, block_size, 2·head_dim], keys first) and a
+plain `RotaryEmbedding`. `babelcast_reanchor_probe()` (through `collective_rpc`) says
+whether that holds; the client only asks for re-anchoring when it does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.worker.gpu_worker import Worker
+
+from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
+from workers.engines.vllm_reanchor.rope import RopeStyle, unrotate_blocks_
+from workers.engines.vllm_reanchor.scheduler import FAILURES_ATTR, REANCHORS_ATTR
+
+log = logging.getLogger(__name__)
+
+ROPE_CLASSES = ("RotaryEmbedding",)  # plain RoPE; scaled variants change the angles
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    name: str
+    group: int
+    keys: torch.Tensor  # [blocks, block_size, heads, head_dim] view of the key half
+    style: RopeStyle
+
+
+class ReanchorWorker(Worker):  # type: ignore[misc]
+    _bc_layers_cache: list[_Layer] | None = None
+    _bc_why_not: str | None = None
+    _bc_issue_ms = 0.0  # CPU time spent issuing rotations (the GPU runs them async)
+
+    # ---- setup ---------------------------------------------------------------
+    def _bc_model(self) -> torch.nn.Module:
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        unwrap = getattr(model, "unwrap", None)
+        return unwrap() if callable(unwrap) else model  # type: ignore[no-any-return]
+
+    def _bc_geometry(self) -> Geometry:
+        groups = self.model_runner.kv_cache_config.kv_cache_groups
+        return Geometry(tuple(int(g.kv_cache_spec.block_size) for g in groups),
+                        tuple(getattr(g.kv_cache_spec, "sliding_window", None) for g in groups))
+
+    def _bc_layers(self) -> list[_Layer]:
+        if self._bc_layers_cache is not None:
+            return self._bc_layers_cache
+        layers: list[_Layer] = []
+        why: str | None = None
+        try:
+            why = self._bc_geometry().why_not()
+            # Attention layer → the rotary embedding of the module that holds it. By
+            # object, not by name: a layer's registered name (its constructor prefix)
+            # is not always its module path (Voxtral's encoder layers differ).
+            ropes: dict[int, Any] = {}
+            for module in self._bc_model().modules():
+                rope, attn = getattr(module, "rotary_emb", None), getattr(module, "attn", None)
+                if rope is not None and attn is not None:
+                    ropes[id(attn)] = rope
+            context = self.vllm_config.compilation_config.static_forward_context
+            groups = self.model_runner.kv_cache_config.kv_cache_groups
+            for gi, group in enumerate(groups):
+                for name in group.layer_names:
+                    layer, problem = self._bc_layer(gi, name, context, ropes)
+                    if problem:
+                        why = why or problem
+                    elif layer is not None:
+                        layers.append(layer)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        self._bc_why_not = why
+        self._bc_layers_cache = [] if why else layers
+        return self._bc_layers_cache
+
+    @staticmethod
+    def _bc_layer(group: int, name: str, context: dict[str, Any],
+                  ropes: dict[int, Any]) -> tuple[_Layer | None, str | None]:
+        attn = context.get(name)
+        if attn is None:
+            return None, f"{name}: not in the forward context"
+        backend = attn.attn_backend.get_name() if hasattr(attn, "attn_backend") else "?"
+        if backend != "FLASH_ATTN":
+            return None, f"{name}: attention backend {backend} (FLASH_ATTN needed)"
+        head = int(attn.head_size)
+        kv = attn.kv_cache
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.shape[-1] != 2 * head:
+            return None, f"{name}: unexpected KV cache layout {getattr(kv, 'shape', None)}"
+        rope = ropes.get(id(attn))
+        if rope is None or type(rope).__name__ not in ROPE_CLASSES:
+            return None, f"{name}: rope {type(rope).__name__} is not plain RoPE"
+        style = RopeStyle(rotary_dim=int(rope.rotary_dim), base=float(rope.base),
+                          neox=bool(rope.is_neox_style),
+                          position_scale=int(getattr(attn, "block_pool_size", 1)))
+        keys = kv.transpose(1, 2)[..., :head]  # the flash-attn kernel's own key split
+        return _Layer(name, group, keys, style), None
+
+    # ---- client calls (collective_rpc) ---------------------------------------
+    def babelcast_reanchor_probe(self) -> dict[str, Any]:
+        layers = self._bc_layers()
+        ok = bool(layers) and self._bc_why_not is None
+        out: dict[str, Any] = {"supported": ok, "why_not": self._bc_why_not,
+                               "layers": len(layers)}
+        try:
+            g = self._bc_geometry()
+            out.update(block_sizes=list(g.block_sizes), windows=list(g.windows),
+                       unit=g.unit if ok else None, keep=g.keep if ok else None,
+                       max_model_len=int(self.vllm_config.model_config.max_model_len),
+                       styles=sorted({(ly.style.rotary_dim, ly.style.neox,
+                                       ly.style.position_scale) for ly in layers}))
+        except Exception as exc:
+            out["geometry_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def babelcast_reanchor_stats(self) -> dict[str, Any]:
+        return {"reanchors": self._bc_counts()["reanchors"],
+                "issue_ms": round(self._bc_issue_ms, 3),
+                "failures": dict(self._bc_failures()),
+                "shift_by_request": dict(self._bc_shifts())}
+
+    # ---- per step --------------------------------------------------------------
+    def _bc_counts(self) -> Counter[str]:
+        if not hasattr(self, "_bc_counter"):
+            self._bc_counter: Counter[str] = Counter()
+        return self._bc_counter
+
+    def _bc_failures(self) -> Counter[str]:
+        if not hasattr(self, "_bc_failure_counter"):
+            self._bc_failure_counter: Counter[str] = Counter()
+        return self._bc_failure_counter
+
+    def _bc_shifts(self) -> dict[str, int]:
+        if not hasattr(self, "_bc_shift_map"):
+            self._bc_shift_map: dict[str, int] = {}
+            self._bc_done: set[int] = set()
+        return self._bc_shift_map
+
+    def _bc_apply(self, scheduler_output: Any) -> None:
+        shifts = self._bc_shifts()
+        for rid in scheduler_output.finished_req_ids:
+            shifts.pop(rid, None)
+        for reason in (getattr(scheduler_output, FAILURES_ATTR, None) or {}).values():
+            self._bc_failures()[reason.split(":")[0][:80]] += 1
+        todo: tuple[Reanchor, ...] = getattr(scheduler_output, REANCHORS_ATTR, ())
+        if not todo:
+            return
+        layers = self._bc_layers()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for r in todo:
+                if r.seq in self._bc_done:
+                    continue  # carried again by a later step; applied once
+                self._bc_done.add(r.seq)
+                for layer in layers:
+                    unrotate_blocks_(layer.keys, list(r.block_ids[layer.group]), layer.style,
+                                     r.shift)
+                shifts[r.request_id] = shifts.get(r.request_id, 0) + r.shift
+                self._bc_counts()["reanchors"] += 1
+        if len(self._bc_done) > 4096:  # sequence numbers only grow
+            newest = max(self._bc_done)
+            self._bc_done = {s for s in self._bc_done if s > newest - 1024}
+        self._bc_issue_ms += (time.perf_counter() - t0) * 1000
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        try:
+            self._bc_apply(scheduler_output)
+        except Exception:  # never kill the engine core; the session's text degrades
+            log.exception("babelcast: applying a re-anchor failed")
+            self._bc_failures()["worker_exception"] += 1
+        return super().execute_model(scheduler_output)
