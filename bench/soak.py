@@ -4,8 +4,11 @@ taking turns every `--fault-every` minutes. Prints JSON.
 
     .venv/bin/python -m bench.soak --minutes 60 --json [--streams 4] [--fault-every 15]
 
-Measured: RSS per process kind (first sample after warm-up → last; an ASR actor that
-was killed starts over, so its growth is measured since its last restart), finals lost
+Measured: RSS per process kind (first sample after warm-up → last; a process that was
+killed starts over, so its growth is measured from its replacement's first sample after
+a warm-up: every stream captioning again, then `WARMUP_S`: a restarted ASR actor is still
+loading its model and opening sessions for a while, and a sample taken then read as 130 %
+growth), finals lost
 (a final in the Stream that a client following it live never got), seq gaps and
 duplicates seen by those clients, and per fault the longest caption silence on any
 stream after it (fault → that stream's next caption).
@@ -34,6 +37,9 @@ from bench.system import ROOT, _descendants, _proc_table
 from orchestrator.redis_server import free_port
 from tests.speech import AUDIO
 
+WARMUP_S = 30.0
+"""After the start and after a process is replaced: models loaded, sessions open, the
+first captions out, before its RSS counts."""
 KINDS = {"redis-server": "redis-server", "ray::AsrActor": "asr-actor",
          "ray::IngestActor": "ingest-actor", "raylet": "raylet", "gcs_server": "gcs",
          "orchestrator.cli": "babelcast-run"}
@@ -88,6 +94,36 @@ class Auditor:
             except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
                 self.reconnects += 1
                 await asyncio.sleep(0.5)
+
+
+class Warmup:
+    """Keeps a process's RSS samples out until it is warm: the processes seen first are
+    (the soak starts after a warm-up); a new pid of a kind (a replacement after a kill)
+    once every stream has captioned again after it appeared, and `WARMUP_S` more."""
+
+    def __init__(self, auditors: Any) -> None:
+        self.auditors = list(auditors)
+        self.born: dict[int, float] = {}
+        self.warm: set[int] = set()
+        self.first = True
+        self.warmups_s: list[float] = []
+
+    def filter(self, sample: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
+        now = time.time()
+        out = {}
+        for kind, (pid, mb) in sample.items():
+            if self.first:
+                self.warm.add(pid)
+            elif pid not in self.warm:
+                born = self.born.setdefault(pid, now)
+                captioning = all(any(t > born for t in a.times[-1:]) for a in self.auditors)
+                if not (captioning and now - born >= WARMUP_S):
+                    continue
+                self.warm.add(pid)
+                self.warmups_s.append(round(now - born, 1))
+            out[kind] = (pid, mb)
+        self.first = False
+        return out
 
 
 async def churn(base: str, streams: list[str], stop: asyncio.Event) -> int:
@@ -146,23 +182,25 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
         auditors = {s: Auditor(f"{ws_base}/v1/streams/{s}/captions?lang=en") for s in ids}
         tasks = [asyncio.create_task(a.run(stop)) for a in auditors.values()]
         churners = [asyncio.create_task(churn(ws_base, ids, stop)) for _ in range(4)]
-        await asyncio.sleep(30)  # warm-up: models loaded, first captions out
-        first_rss = _rss_by_kind(proc.pid)
-        rss_samples = [first_rss]
+        await asyncio.sleep(WARMUP_S)  # models loaded, first captions out
+        warm = Warmup(auditors.values())
+        rss_samples = [warm.filter(_rss_by_kind(proc.pid))]
         started = time.monotonic()
         next_fault = started + fault_every_min * 60
         fault_kind = "asr-actor"
         while time.monotonic() - started < minutes * 60:
             await asyncio.sleep(5)
-            rss_samples.append(_rss_by_kind(proc.pid))
+            raw = _rss_by_kind(proc.pid)
+            rss_samples.append(warm.filter(raw))
             if time.monotonic() >= next_fault:
-                target = rss_samples[-1].get(fault_kind)
+                target = raw.get(fault_kind)
                 at = time.time()
                 if target is not None:
                     os.kill(target[0], signal.SIGKILL)
                 result["faults"].append({"kind": fault_kind, "at": at})
                 fault_kind = "redis-server" if fault_kind == "asr-actor" else "asr-actor"
                 next_fault += fault_every_min * 60
+        ended = time.monotonic()
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         joined = sum(r for r in await asyncio.gather(*churners, return_exceptions=True)
@@ -201,7 +239,9 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
             growth[kind] = {"first_mb": round(same[0], 1), "last_mb": round(same[-1], 1),
                             "growth_pct": round(100 * (same[-1] - same[0]) / same[0], 1),
                             "measured_over_samples": len(same)}
-        result.update(rss=growth, finals_lost=lost, seq_gaps=gaps, seq_duplicates=dups,
+        result.update(ran_minutes=round((ended - started) / 60, 1), rss=growth,
+                      replacement_warmups_s=warm.warmups_s, finals_lost=lost, seq_gaps=gaps,
+                      seq_duplicates=dups,
                       finals_seen=sum(len(a.finals) for a in auditors.values()),
                       auditor_reconnects=sum(a.reconnects for a in auditors.values()),
                       churn_clients=joined)
