@@ -56,10 +56,13 @@ class _QuietServer(uvicorn.Server):
 
 
 class Gateway:
-    def __init__(self, base: str, server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    def __init__(self, base: str, server: uvicorn.Server, task: asyncio.Task[None],
+                 app: Any = None) -> None:
         self.base = base
         self.server = server
         self.task = task
+        self.app = app
+        """The ASGI app uvicorn serves (for in-process calls, see tests/asgi_ws.py)."""
 
     async def stop(self) -> None:
         self.server.should_exit = True
@@ -79,7 +82,7 @@ async def start_gateway(redis_url: str, streams: list[GatewayStream], *,
         if task.done() or time.monotonic() > deadline:
             raise RuntimeError(f"the gateway did not start on port {port}")
         await asyncio.sleep(0.02)
-    return Gateway(f"http://127.0.0.1:{port}", server, task)
+    return Gateway(f"http://127.0.0.1:{port}", server, task, app)
 
 
 @contextlib.asynccontextmanager

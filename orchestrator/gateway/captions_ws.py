@@ -66,14 +66,12 @@ async def _admitted(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stre
         await Access.refuse(ws, "unknown_language", f"stream has languages {sorted(langs)}",
                             4404)
         return
-    since_raw = ws.query_params.get("since")
-    try:
-        since = int(since_raw) if since_raw not in (None, "") else None
-        if since is not None and since < 0:
-            raise ValueError
-    except ValueError:
+    since_raw = ws.query_params.get("since") or None
+    # ASCII digits only: int() also takes "+3", " 3", "1_000" and other scripts' digits.
+    if since_raw is not None and not (since_raw.isascii() and since_raw.isdigit()):
         await Access.refuse(ws, "invalid_since", "since must be a seq: an integer ≥ 0", 4400)
         return
+    since = int(since_raw) if since_raw is not None else None
     try:
         newest = await ctx.bus.last_seq(stream_id, lang)
     except RETRYABLE:
