@@ -4,11 +4,11 @@
     babelcast run FILE [--duration S] [--plain]
     babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
     babelcast status [--url http://127.0.0.1:8000] [--json] [--watch S]
-    babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--redis URL]
+    babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--url URL | --redis URL]
     babelcast token FILE|--url URL [--stream S]... [--lang xx]... [--ttl S] [--sub NAME]
 
-tail, status and token --url send `--token`, else $BABELCAST_TOKEN, else (a gateway on
-this machine run without an `auth` section) the run's own tokens.
+tail, status, export --url and token --url send `--token`, else $BABELCAST_TOKEN, else (a
+gateway on this machine run without an `auth` section) the run's own tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from typing import Any
+from urllib.parse import quote
 
 from orchestrator.config import ConfigError, EventConfig, load_event
 
@@ -171,8 +172,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         suffix = out.suffix.lstrip(".").lower() if out else ""
         fmt = suffix if suffix in FORMATS else "vtt"
     try:
-        text, lang, finals = asyncio.run(export_captions(
-            args.redis, args.stream, args.lang, fmt, get_profile(args.profile)))
+        if args.url and not args.redis:
+            text, lang, finals = _export_via_gateway(args.url, args.stream, args.lang, fmt,
+                                                     args.profile, args.token)
+        else:
+            redis = args.redis or os.environ.get("BABELCAST_REDIS_URL",
+                                                 "redis://127.0.0.1:6379/0")
+            text, lang, finals = asyncio.run(export_captions(
+                redis, args.stream, args.lang, fmt, get_profile(args.profile)))
     except ExportError as exc:
         print(f"babelcast export: {exc}", file=sys.stderr)
         return 2
@@ -187,6 +194,37 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 2
     print(f"{out}: {finals} captions of {args.stream} in {lang!r} ({fmt})", file=sys.stderr)
     return 0
+
+
+def _export_via_gateway(url: str, stream: str, lang: str | None, fmt: str, profile: str,
+                        token: str | None) -> tuple[str, str, int]:
+    """(file text, language, finals) from the gateway's transcript endpoint."""
+    import httpx
+
+    from orchestrator.gateway.local_credentials import token_for
+    from orchestrator.outputs.export import ExportError
+
+    url = url.rstrip("/")
+    token = token_for(url, "viewer", token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {"profile": profile} | ({"lang": lang} if lang else {})
+    try:
+        resp = httpx.get(f"{url}/v1/streams/{quote(stream, safe='')}/transcript.{fmt}",
+                         params=params, headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        raise ExportError(f"cannot reach the gateway at {url} ({type(exc).__name__}); is "
+                          "`babelcast run` running there? set --url or $BABELCAST_URL"
+                          ) from None
+    if resp.status_code != 200:
+        try:
+            detail = str(resp.json().get("detail", ""))
+        except ValueError:
+            detail = resp.text[:200]
+        hint = ("; pass --token (a viewer token for this stream and language, or the admin "
+                "token) or set $BABELCAST_TOKEN" if resp.status_code in (401, 403) else "")
+        raise ExportError(f"{url} answered {resp.status_code}: {detail}{hint}")
+    return (resp.text, resp.headers.get("content-language", lang or "?"),
+            int(resp.headers.get("x-babelcast-finals", "0")))
 
 
 def cmd_token(args: argparse.Namespace) -> int:
@@ -276,18 +314,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="refresh every S seconds until Ctrl-C")
     st.add_argument("--token", default=None, help="the admin token")
     st.set_defaults(func=cmd_status)
-    e = sub.add_parser("export", help="write a stream's finals from Redis as WebVTT or SRT")
+    e = sub.add_parser("export", help="write a stream's finals as WebVTT or SRT (from the "
+                       "gateway, or straight from Redis)")
     e.add_argument("stream")
     e.add_argument("--lang", default=None,
-                   help="caption language (default: the only one the stream has)")
+                   help="caption language (default: --url: the stream's own; --redis: the "
+                        "only one it has)")
     e.add_argument("--format", choices=("vtt", "srt"), default=None,
                    help="default: from the -o file's extension, else vtt")
     e.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     e.add_argument("--profile", choices=("web", "cea608", "youtube"), default="web",
                    help="line-breaking profile of the cues")
-    e.add_argument("--redis", default=os.environ.get("BABELCAST_REDIS_URL",
-                                                     "redis://127.0.0.1:6379/0"),
-                   help="the event's Redis (default: $BABELCAST_REDIS_URL or local 6379)")
+    where = e.add_mutually_exclusive_group()
+    where.add_argument("--url", default=os.environ.get("BABELCAST_URL"),
+                       help="the event's gateway (default: $BABELCAST_URL); needs a viewer "
+                            "token of the stream or the admin token (--token)")
+    where.add_argument("--redis", default=None,
+                       help="read the event's Redis instead (default when no --url: "
+                            "$BABELCAST_REDIS_URL or local 6379)")
+    e.add_argument("--token", default=None, help="with --url: a viewer or the admin token")
     e.set_defaults(func=cmd_export)
     k = sub.add_parser("token", help="mint a viewer token (for OBS overlay URLs, HLS, tail)")
     k.add_argument("file", nargs="?", default=None,

@@ -96,6 +96,8 @@ HTTP_ALLOWED: dict[str, set[str]] = {
     "GET /overlay/hall?lang=en": {"viewer", "admin"},
     "GET /overlay/hall?lang=fr": {"viewer", "viewer-hall-fr", "admin"},
     "GET /hls/hall/fr.m3u8": {"viewer", "viewer-hall-fr", "admin"},
+    "GET /v1/streams/hall/transcript.vtt?lang=fr": {"viewer", "viewer-hall-fr", "admin"},
+    "GET /v1/streams/hall/transcript.srt": {"viewer", "admin"},  # the stream's own: en
     "POST /v1/tokens": {"admin"},
 }
 UNAUTHENTICATED = {"none", "wrong", "expired", "forged"}

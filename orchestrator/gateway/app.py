@@ -8,6 +8,7 @@ Routes and who may use them (see `auth` for the token kinds, `access` for admiss
 | `GET /metrics` | admin, or the scrape token |
 | `GET /v1/status`, `POST /v1/tokens` | admin |
 | `GET /v1/streams[/{id}]`, `GET /` | admin or a viewer token (its streams only) |
+| `GET /v1/streams/{id}/transcript.{vtt,srt}?lang=xx` | viewer of that stream and language |
 | `GET /overlay/{id}`, `/hls/...`, WS `/v1/streams/{id}/captions` | viewer of that stream |
 | WS `/v1/streams/{id}/audio`, WS `/v1/realtime` | publish token of that stream |
 | `/static/...` | nothing (the overlay's code, no data) |
@@ -27,10 +28,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlencode
 
-from fastapi import FastAPI, HTTPException, Request, WebSocket
+from fastapi import FastAPI, HTTPException, Query, Request, WebSocket
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -60,6 +61,7 @@ from orchestrator.gateway.health import readiness
 from orchestrator.gateway.hub import CaptionHub
 from orchestrator.gateway.pages import STATIC_DIR, index_html, linebreak_script
 from orchestrator.gateway.publish import push_audio_ws, realtime_ws
+from orchestrator.gateway.transcripts import Format, Profile, TranscriptExporter
 from orchestrator.outputs.hls import HlsOptions, HlsTrack
 from orchestrator.status import collect as collect_status
 
@@ -93,6 +95,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
     access = Access(security)
     ctx = GatewayContext(streams, access, engine_profiles)
     by_id = ctx.by_id
+    exporter = TranscriptExporter(ctx)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -200,6 +203,20 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         if gs is None:
             raise HTTPException(404, f"no stream {stream_id!r} in this event")
         return await describe(gs)
+
+    @app.get("/v1/streams/{stream_id}/transcript.{fmt}", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/vtt": {}, "application/x-subrip": {}}}})
+    async def transcript(stream_id: str, fmt: Format, request: Request,
+                         lang: Annotated[str | None, Query(max_length=16, description=(
+                             "caption language; default: the stream's own"))] = None,
+                         profile: Annotated[Profile, Query(description=(
+                             "line-breaking profile of the cues"))] = "web") -> Response:
+        """The stream's finals as a WebVTT or SRT file (see gateway.transcripts)."""
+        gs = by_id.get(stream_id)
+        lang = lang or (gs.options.caption_lang if gs else "")
+        require(request, can_view(stream_id, lang or None),
+                f"the transcript of {stream_id!r} in {lang!r}")
+        return await exporter.response(stream_id, lang, fmt, profile)
 
     def link_token(request: Request, p: Principal) -> str | None:
         """The token to put in links: the viewer's own (from the URL), or for an admin a
