@@ -5,19 +5,18 @@ keeps serving."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
-import threading
 import time
-from collections.abc import Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import hypothesis
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.asyncio import Redis
 from websockets.sync.client import ClientConnection, connect
 
 from orchestrator.config import ConfigError, EventConfig, parse_event
@@ -26,7 +25,7 @@ from orchestrator.gateway.realtime_protocol import ERROR_CODES
 from orchestrator.gateway.security_config import LimitsConfig
 from orchestrator.redis_server import LocalRedisServer
 from tests.asgi_ws import AsgiWebSocket, Conversation
-from tests.outputs_support import caption, public_viewers, start_gateway
+from tests.outputs_support import GatewayThread, caption, public_viewers
 from workers.bus import RedisBus
 from workers.events import StreamOptions
 
@@ -37,7 +36,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
 PUBLISH = "fuzz-publish-token-0123456789"
 AUTH = {"Authorization": f"Bearer {PUBLISH}"}
 NEWEST = 50
-T = TypeVar("T")
 
 
 # ---- the YAML loader ------------------------------------------------------------------------
@@ -71,50 +69,30 @@ def test_any_yaml_gets_a_config_or_errors_naming_file_and_key(doc: Any, raw: str
 
 
 # ---- one gateway for the WebSocket protocols ---------------------------------------------------
-class _Gateway:
-    def __init__(self, redis_url: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(redis_url,), daemon=True)
-        self.base = ""
-
-    def _run(self, redis_url: str) -> None:
-        asyncio.set_event_loop(self.loop)
-        streams = [GatewayStream(StreamOptions(stream_id="hall", name="Hall", source="push",
-                                               language="en", targets=("fr",)), "push")]
-        # Generous pace: the fuzz sends audio far faster than real time on purpose.
-        limits = LimitsConfig(push_rate=20.0, push_burst_s=120.0)
-        security = public_viewers(limits, publish={"hall": PUBLISH})
-
-        async def main() -> None:
-            bus = RedisBus(__import__("redis.asyncio", fromlist=["Redis"]).Redis.from_url(
-                redis_url))
-            await bus.redis.flushdb()
-            for seq in range(1, NEWEST + 1):
-                await bus.publish_caption(caption(seq, seq, "s", 0, 1, stream="hall"))
-            gw = await start_gateway(redis_url, streams, security=security)
-            self.base = gw.base.replace("http://", "ws://")
-            self.gw = gw
-            self.ready.set()
-            await asyncio.Event().wait()
-
-        self.loop.run_until_complete(main())
-
-    def start(self) -> None:
-        self.thread.start()
-        assert self.ready.wait(30)
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
-        """Run `coro` on the gateway's own loop (the app's Redis clients live there)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-
 @pytest.fixture(scope="module")
-def gateway(redis_server: LocalRedisServer) -> Iterator[_Gateway]:
-    gw = _Gateway(redis_server.url)
-    gw.start()
-    yield gw
-    # A daemon thread: it ends with the test process.
+def gateway(redis_server: LocalRedisServer) -> Iterator[GatewayThread]:
+    streams = [GatewayStream(StreamOptions(stream_id="hall", name="Hall", source="push",
+                                           language="en", targets=("fr",)), "push")]
+    # Generous pace: the fuzz sends audio far faster than real time on purpose.
+    limits = LimitsConfig(push_rate=20.0, push_burst_s=120.0)
+
+    async def captions() -> None:
+        bus = RedisBus(Redis.from_url(redis_server.url))
+        await bus.redis.flushdb()
+        for seq in range(1, NEWEST + 1):
+            await bus.publish_caption(caption(seq, seq, "s", 0, 1, stream="hall"))
+        await bus.redis.aclose()
+
+    with GatewayThread(redis_server.url, streams, setup=captions,
+                       security=public_viewers(limits, publish={"hall": PUBLISH})) as gw:
+        yield gw
+        for ws in _conn.values():
+            ws.close()
+        _conn.clear()
+
+
+def ws_base(gateway: GatewayThread) -> str:
+    return gateway.base.replace("http://", "ws://")
 
 
 def recv_json(ws: ClientConnection, timeout: float = 10.0) -> dict[str, Any]:
@@ -156,7 +134,7 @@ realtime_events = st.one_of(
 @FUZZ
 @given(events=st.lists(realtime_events, min_size=1, max_size=3))
 def test_realtime_answers_every_event_with_a_protocol_error_or_takes_it(
-    gateway: _Gateway, events: list[Any],
+    gateway: GatewayThread, events: list[Any],
 ) -> None:
     ws = _realtime(gateway)
     for event in events:
@@ -174,10 +152,10 @@ def test_realtime_answers_every_event_with_a_protocol_error_or_takes_it(
 _conn: dict[str, ClientConnection] = {}
 
 
-def _realtime(gateway: _Gateway) -> ClientConnection:
+def _realtime(gateway: GatewayThread) -> ClientConnection:
     ws = _conn.get("rt")
     if ws is None:
-        ws = connect(f"{gateway.base}/v1/realtime?stream=hall", additional_headers=AUTH)
+        ws = connect(f"{ws_base(gateway)}/v1/realtime?stream=hall", additional_headers=AUTH)
         assert recv_json(ws)["type"] == "session.created"
         _conn["rt"] = ws
     return ws
@@ -191,7 +169,7 @@ frames = st.one_of(st.binary(max_size=5000), st.text(max_size=200))
 @FUZZ
 @given(batch=st.lists(frames, min_size=1, max_size=3))
 def test_push_answers_every_bad_frame_and_takes_every_good_one(
-    gateway: _Gateway, batch: list[bytes | str],
+    gateway: GatewayThread, batch: list[bytes | str],
 ) -> None:
     ws = _conn.get("push")
     if ws is None:
@@ -199,7 +177,7 @@ def test_push_answers_every_bad_frame_and_takes_every_good_one(
         if rt is not None:
             rt.close()
         for _ in range(100):
-            ws = connect(f"{gateway.base}/v1/streams/hall/audio", additional_headers=AUTH)
+            ws = connect(f"{ws_base(gateway)}/v1/streams/hall/audio", additional_headers=AUTH)
             try:
                 early = json.loads(ws.recv(timeout=0.2))
             except TimeoutError:
@@ -264,9 +242,9 @@ CLOSE_CODES = {"unauthorized": 4401, "unknown_language": 4404, "invalid_since": 
                "since_ahead": 4409}
 
 
-async def query_conversation(gateway: _Gateway, lang: str | None, since: str | None,
+async def query_conversation(gateway: GatewayThread, lang: str | None, since: str | None,
                              token: str | None) -> None:
-    ctx = gateway.gw.app.state.context
+    ctx = gateway.app.state.context
     want = expected_outcome(lang, since, token)
     query = {k: v for k, v in (("lang", lang), ("since", since), ("token", token))
              if v is not None}
@@ -279,7 +257,7 @@ async def query_conversation(gateway: _Gateway, lang: str | None, since: str | N
                 {k: len(v) for k, v in ctx.hub._clients.items()})
 
     before = held()
-    ws = AsgiWebSocket(gateway.gw.app, "/v1/streams/hall/captions", query)
+    ws = AsgiWebSocket(gateway.app, "/v1/streams/hall/captions", query)
 
     def settled(said: Conversation) -> bool:
         # The live edge sends nothing: it has settled once the client is being served.
@@ -312,7 +290,7 @@ async def query_conversation(gateway: _Gateway, lang: str | None, since: str | N
 @FUZZ
 @given(lang=lang_values, since=since_values, token=token_values)
 def test_captions_query_gets_captions_or_a_clear_error_and_close(
-    gateway: _Gateway, lang: str | None, since: str | None, token: str | None,
+    gateway: GatewayThread, lang: str | None, since: str | None, token: str | None,
 ) -> None:
     # The mix of outcomes shows with --hypothesis-show-statistics.
     hypothesis.event(expected_outcome(lang, since, token))
@@ -320,14 +298,14 @@ def test_captions_query_gets_captions_or_a_clear_error_and_close(
 
 
 @pytest.mark.integration
-def test_after_all_that_the_gateway_still_serves(gateway: _Gateway) -> None:
+def test_after_all_that_the_gateway_still_serves(gateway: GatewayThread) -> None:
     for ws in _conn.values():
         ws.close()
     _conn.clear()
     time.sleep(0.5)
     start = time.monotonic()
-    with connect(f"{gateway.base}/v1/streams/hall/captions?lang=en&since=0") as ws:
+    with connect(f"{ws_base(gateway)}/v1/streams/hall/captions?lang=en&since=0") as ws:
         assert recv_json(ws)["seq"] == 1
-    with connect(f"{gateway.base}/v1/realtime?stream=hall", additional_headers=AUTH) as ws:
+    with connect(f"{ws_base(gateway)}/v1/realtime?stream=hall", additional_headers=AUTH) as ws:
         assert recv_json(ws)["type"] == "session.created"
     assert time.monotonic() - start < 30

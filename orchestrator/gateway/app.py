@@ -235,7 +235,13 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
                                        token=link_token(request, p)))
 
     @app.get("/overlay/{stream_id}", response_model=None)
-    async def overlay(stream_id: str, request: Request) -> Response:
+    async def overlay(stream_id: str, request: Request,
+                      lang: Annotated[str | None, Query(max_length=16, description=(
+                          "caption language; default: the stream's own"))] = None,
+                      lang2: Annotated[str | None, Query(max_length=16, description=(
+                          "a second language, shown below the first"))] = None) -> Response:
+        """The overlay page (OBS browser source); its other parameters are read by the
+        page itself (static/overlay.js)."""
         gs = by_id.get(stream_id)
         query = dict(request.query_params)
         for name in ("lang", "lang2"):
