@@ -261,12 +261,16 @@
       return;
     }
     console.warn("babelcast overlay: " + msg.code + ": " + msg.message);
+    // Kept until captions flow again: the state itself turns to "connecting" at once.
+    // (unauthorized / token_expired: the URL needs a new token.)
+    this.el.dataset.error = msg.code;
     this.setState("error", msg.code);
     this.attempt = 8; // a wrong stream or language: retry rarely
   };
 
   Track.prototype.onCaption = function (msg) {
     if (typeof msg.seq !== "number" || msg.seq <= this.lastSeq) return; // seen already
+    delete this.el.dataset.error;
     this.lastSeq = msg.seq;
     this.lastMsgAt = Date.now();
     this.liveEdge = false;
