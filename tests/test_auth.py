@@ -270,6 +270,24 @@ async def test_a_second_publisher_of_a_stream_is_refused_with_4409(gateway: Gate
                                      "audio": base64.b64encode(bytes(320)).decode()}))
 
 
+async def test_with_public_viewers_anyone_reads_but_admin_and_publish_still_want_a_token(
+    redis_url: str,
+) -> None:
+    public = GatewaySecurity(Authenticator(GatewaySecrets(admin=ADMIN, publish={"hall": PUBLISH}),
+                                           viewers_public=True))
+    async with running_gateway(redis_url, streams(), security=public) as gw:
+        async with httpx.AsyncClient(base_url=gw.base) as http:
+            assert (await http.get("/v1/streams")).status_code == 200
+            assert (await http.get("/overlay/hall?lang=fr")).status_code == 200
+            for path in ("/metrics", "/v1/status"):  # anonymous: a token is missing (401)
+                resp = await http.get(path)
+                assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
+        ws = gw.base.replace("http://", "ws://")
+        assert (await ws_outcome(ws + "/v1/streams/hall/captions?lang=fr"))[0] == "open"
+        for path in ("/v1/streams/hall/audio", "/v1/realtime?stream=hall"):
+            assert await ws_outcome(ws + path) == ("closed", 4401), path
+
+
 async def test_a_viewer_token_is_closed_4401_when_it_expires(redis_url: str) -> None:
     async with running_gateway(redis_url, streams(), security=security()) as gw:
         url = gw.base.replace("http://", "ws://") + "/v1/streams/hall/captions?lang=fr"

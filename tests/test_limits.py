@@ -163,6 +163,40 @@ async def test_realtime_caps_one_append_and_audio_before_the_first_commit(
 
 
 @pytest.mark.integration
+async def test_realtime_audio_is_paced_once_real_time_passes_and_a_flood_is_closed_1008(
+    gateway: Gateway,
+) -> None:
+    """Each append counts once against the pace (it was charged twice, which cut
+    /v1/realtime off at 0.75 × real time once the burst was spent)."""
+    ws = gateway.base.replace("http://", "ws://")
+    tenth = json.dumps({"type": "input_audio_buffer.append",
+                        "audio": base64.b64encode(bytes(3200)).decode()})  # 100 ms
+    async with websockets.connect(f"{ws}/v1/realtime?stream=hall", additional_headers=AUTH
+                                  ) as rt:
+        assert json.loads(await rt.recv())["type"] == "session.created"
+        await rt.send(json.dumps({"type": "session.update", "model": "m"}))
+        await rt.send(json.dumps({"type": "input_audio_buffer.commit", "final": False}))
+        # 6 s of audio at 1.2 × real time: three times the burst (2 s here).
+        t0 = time.monotonic()
+        for i in range(60):
+            await rt.send(tenth)
+            await asyncio.sleep(max(0.0, t0 + (i + 1) * 0.1 / 1.2 - time.monotonic()))
+        try:
+            msg = await asyncio.wait_for(rt.recv(), 0.5)
+        except TimeoutError:
+            pass  # no error came: every append was taken
+        else:
+            pytest.fail(f"real-time audio was refused: {msg}")
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            for _ in range(200):  # 20 s at once
+                await rt.send(tenth)
+            while True:
+                msg = json.loads(await asyncio.wait_for(rt.recv(), RECV_S))
+                assert msg["type"] == "error" and msg["code"] == "rate_limited", msg
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+
+
+@pytest.mark.integration
 async def test_half_open_connections_are_closed_by_the_header_timeout(
     gateway: Gateway,
 ) -> None:

@@ -79,7 +79,8 @@ class Access:
             p, _ = self.principal(request.headers, request.query_params)
         except AuthError as exc:
             raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
-        if p is None:
+        if p is None or (p is PUBLIC_VIEWER and not check(p)):
+            # Anonymous (a public viewer is anyone): a token is what is missing, not scope.
             raise HTTPException(401, f"{what} needs a token: send `Authorization: Bearer "
                                      "TOKEN` (see README, Security)",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -96,7 +97,7 @@ class Access:
         try:
             p, subprotocol = self.principal(ws.headers, ws.query_params)
             error: AuthError | None = None
-            if p is None:
+            if p is None or (p is PUBLIC_VIEWER and not check(p)):
                 error = AuthError(401, f"{what} needs a token: send it as `Authorization: "
                                        "Bearer TOKEN`, as the subprotocol `bearer.TOKEN` "
                                        "(with `babelcast`), or as ?token= (viewers)")

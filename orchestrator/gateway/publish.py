@@ -83,9 +83,10 @@ def pacer_for(ctx: GatewayContext) -> AudioPacer:
 
 
 async def write_paced(ctx: GatewayContext, pacer: AudioPacer, clock: AudioClock,
-                      pcm: bytes) -> None:
-    """Write one frame within the publisher's pace; RateLimited past it."""
-    if not pacer.admit(len(pcm)):
+                      pcm: bytes, *, admitted: bool = False) -> None:
+    """Write one frame within the publisher's pace; RateLimited past it. `admitted`: the
+    caller has charged this audio to the pacer already (it must be charged once)."""
+    if not admitted and not pacer.admit(len(pcm)):
         raise RateLimited
     started = time.monotonic()
     await write_audio(ctx.bus, clock, pcm, max_wait_s=REDIS_HOLD_S)
@@ -182,7 +183,9 @@ async def realtime_ws(ctx: GatewayContext, ws: WebSocket) -> None:
         pacer = pacer_for(ctx)
 
         async def write(pcm: bytes) -> None:
-            await write_paced(ctx, pacer, ctx.clock_for(stream_id), pcm)
+            # Charged when the append came in (RealtimeLimits.admit), before it was held
+            # for the first commit; charging it again here halved the allowed pace.
+            await write_paced(ctx, pacer, ctx.clock_for(stream_id), pcm, admitted=True)
 
         conn = RealtimeConnection(
             ws, stream_id=stream_id, lang=gs.options.caption_lang, bus=ctx.bus, hub=ctx.hub,
