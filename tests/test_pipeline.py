@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ import pytest
 import websockets
 
 from orchestrator.redis_server import LocalRedisServer, free_port
+from tests.event_support import Event, start_event, stop_event
 from tests.speech import AUDIO, decode_pcm16, normalize, reference_text, write_reference_wav
 
 pytestmark = pytest.mark.integration
@@ -49,15 +48,6 @@ auth:
 ENV = {"PIPELINE_ADMIN_TOKEN": ADMIN_TOKEN, "PIPELINE_PUSH_TOKEN": PUSH_TOKEN}
 
 
-class Event:
-    def __init__(self, base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.base = base
-        self.ws = base.replace("http://", "ws://")
-        self.proc = proc
-        self.log = log
-        self.started = time.time()
-
-
 @pytest.fixture(scope="module")
 def event(redis_server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Event]:
@@ -76,42 +66,9 @@ streams:
   - {{id: pushed, source: push, language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
 """ + AUTH)
-    ev = start_event(cfg, port)
+    ev = start_event(cfg, port, ENV)
     yield ev
     stop_event(ev)
-
-
-def start_event(cfg: Path, port: int) -> Event:
-    """`babelcast run` as an operator starts it; returns once its gateway answers."""
-    log = cfg.with_suffix(".log")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
-             "--duration", "400"],
-            stdout=out, stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"babelcast run exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return Event(base, proc, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"gateway did not come up: {log.read_text()[-3000:]}")
-
-
-def stop_event(ev: Event) -> None:
-    ev.proc.send_signal(signal.SIGINT)  # what an operator's Ctrl-C sends
-    try:
-        ev.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        ev.proc.kill()
 
 
 async def messages(url: str) -> AsyncIterator[dict[str, Any]]:
@@ -434,7 +391,7 @@ streams:
 gateway: {{host: 127.0.0.1, port: {port}}}
 auth: {{admin_token_env: PIPELINE_ADMIN_TOKEN, viewers: public}}
 """)
-    relay = start_event(cfg, port)
+    relay = start_event(cfg, port, ENV)
     try:
         async def finals() -> list[str]:
             out: list[str] = []
