@@ -19,6 +19,7 @@ import pytest
 import websockets
 from redis.asyncio import Redis
 
+from orchestrator.gateway.security_config import LimitsConfig
 from orchestrator.redis_server import LocalRedisServer, free_port
 from tests.event_support import Event, start_event, stop_event
 from tests.speech import AUDIO, decode_pcm16
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.integration
 
 PUBLISH = "flood-publish-token-0123456789"
 ENV = {"FLOOD_ADMIN": "flood-admin-token-0123456789", "FLOOD_PUBLISH": PUBLISH}
-BURST_S = 10.0  # gateway.limits defaults: 10 s burst, 1.5 x real time
-RATE = 1.5
+LIMITS = LimitsConfig()  # the event sets none: the defaults apply
 BEFORE_FINALS = 3
 """Finals of the room that set its latency before the flood (after the first, which
 includes the model's warm-up)."""
@@ -131,7 +131,8 @@ async def test_a_push_flood_closes_that_publisher_and_the_other_room_keeps_its_l
         taken_s = (await bus.last_audio_end("booth"))[0] / 16_000
         await bus.redis.aclose()
         # The gateway took its burst and its pace, no more; the client sent far more.
-        assert taken_s <= BURST_S + RATE * took_s + 0.5, (taken_s, took_s)
+        assert taken_s <= LIMITS.push_burst_s + LIMITS.push_rate * took_s + 0.5, (
+            taken_s, took_s)
         assert sent / 32_000 > 2 * taken_s
 
         await asyncio.sleep(AFTER_S)

@@ -1,7 +1,8 @@
 """Property-based fuzzing (hypothesis, 2,000 examples each) of the event YAML loader and
-the gateway's three WebSocket protocols, against one real gateway (real sockets, real
-Redis) for the module: every input gets a clear error or is taken, and the gateway
-keeps serving."""
+the gateway's three WebSocket protocols, against one real gateway (real Redis) for the
+module: realtime and push over real sockets (one connection carries many examples); the
+captions socket's query in-process through the same app (each example is a connection).
+Every input gets a clear error or is taken, and the gateway keeps serving."""
 
 from __future__ import annotations
 
