@@ -4,14 +4,15 @@ taking turns every `--fault-every` minutes. Prints JSON.
 
     .venv/bin/python -m bench.soak --minutes 60 --json [--streams 4] [--fault-every 15]
 
-Measured: RSS per process kind (first sample after warm-up → last; a process that was
-killed starts over, so its growth is measured from its replacement's first sample after
-a warm-up: every stream captioning again, then `WARMUP_S`: a restarted ASR actor is still
-loading its model and opening sessions for a while, and a sample taken then read as 130 %
-growth), finals lost
-(a final in the Stream that a client following it live never got), seq gaps and
-duplicates seen by those clients, and per fault the longest caption silence on any
-stream after it (fault → that stream's next caption).
+Measured: RSS per process kind: first sample after warm-up → last, the growth over the
+second half of that span (a leak keeps growing, a process settling in does not) and a
+sample every 5 minutes. A process that was killed starts over, so its growth is measured
+from its replacement's first sample after a warm-up (every stream captioning again, then
+`WARMUP_S`): a restarted ASR actor is still loading its model and opening sessions for a
+while, and a sample taken then read as 130 % growth. Also finals lost (a final in the
+Stream that a client following it live never got), seq gaps and duplicates seen by those
+clients, and per fault the longest caption silence on any stream after it (fault → that
+stream's next caption); no fault is injected in the last two minutes.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from tests.speech import AUDIO
 WARMUP_S = 30.0
 """After the start and after a process is replaced: models loaded, sessions open, the
 first captions out, before its RSS counts."""
+FAULT_MARGIN_S = 120.0
+"""No fault this close to the end."""
+SERIES_EVERY_S = 300.0
 KINDS = {"redis-server": "redis-server", "ray::AsrActor": "asr-actor",
          "ray::IngestActor": "ingest-actor", "raylet": "raylet", "gcs_server": "gcs",
          "orchestrator.cli": "babelcast-run"}
@@ -192,7 +196,9 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
             await asyncio.sleep(5)
             raw = _rss_by_kind(proc.pid)
             rss_samples.append(warm.filter(raw))
-            if time.monotonic() >= next_fault:
+            # A fault needs time after it to be measured (silence, a warm replacement).
+            if time.monotonic() >= next_fault and (
+                    started + minutes * 60 - time.monotonic() >= FAULT_MARGIN_S):
                 target = raw.get(fault_kind)
                 at = time.time()
                 if target is not None:
@@ -230,15 +236,20 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
             worst = max(silences, default=float("inf"))
             fault["longest_caption_silence_s"] = None if worst == float("inf") else worst
         growth: dict[str, Any] = {}
+        every = max(1, int(SERIES_EVERY_S / 5))  # samples are 5 s apart
         for kind in KINDS.values():
             series = [(s[kind][0], s[kind][1]) for s in rss_samples if kind in s]
             if not series:
                 continue
             last_pid = series[-1][0]
             same = [mb for pid, mb in series if pid == last_pid]
+            half = same[len(same) // 2]
             growth[kind] = {"first_mb": round(same[0], 1), "last_mb": round(same[-1], 1),
                             "growth_pct": round(100 * (same[-1] - same[0]) / same[0], 1),
-                            "measured_over_samples": len(same)}
+                            # A leak keeps growing; a process settling in does not.
+                            "second_half_growth_pct": round(100 * (same[-1] - half) / half, 1),
+                            "every_5_min_mb": [round(mb, 1) for mb in same[::every]],
+                            "measured_minutes": round(len(same) * 5 / 60, 1)}
         result.update(ran_minutes=round((ended - started) / 60, 1), rss=growth,
                       replacement_warmups_s=warm.warmups_s, finals_lost=lost, seq_gaps=gaps,
                       seq_duplicates=dups,
