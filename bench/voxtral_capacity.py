@@ -205,8 +205,22 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--rounds", type=int, default=2,
                     help="baseline/project rounds after a warm-up; the last one is reported")
+    ap.add_argument("--age-min", type=float, nargs="+", default=None,
+                    help="instead: cost per chunk of sessions aged this many minutes, with "
+                         "and without re-anchoring (bench.voxtral_age)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.age_min is not None:
+        from bench import voxtral_age
+
+        aged = argparse.Namespace(
+            model=args.model, streams=args.streams, seconds=args.seconds,
+            age_min=args.age_min, every=4096, bulk=750,
+            max_model_len=max(args.max_model_len, 32768), load_format=args.load_format,
+            gpu_memory_utilization=args.gpu_memory_utilization)
+        result = asyncio.run(voxtral_age.main_async(aged))
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
     result = asyncio.run(main_async(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

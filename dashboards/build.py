@@ -258,9 +258,31 @@ def room() -> dict[str, Any]:
                    f"[5m]))", "{{stream}} {{reason}} (source)"),
             target(f"sum by (stream) (increase(ray_babelcast_audio_gap_fill_seconds_total"
                    f"{{{S}}}[5m]))", "{{stream}} seconds filled")], unit="short", w=12),
-        panel("timeseries", "Source reconnects", [target(
-            f"sum by (stream) (increase(ray_babelcast_source_reconnects_total{{{S}}}[5m]))",
-            "{{stream}}")], unit="short", w=12, thresholds=steps(OK, ("red", 3))),
+        panel("timeseries", "Source reconnects and refused encoders", [
+            target(f"sum by (stream) (increase(ray_babelcast_source_reconnects_total{{{S}}}"
+                   f"[5m]))", "{{stream}} reconnects"),
+            target(f"sum by (stream) (increase(ray_babelcast_source_refused_total{{{S}}}"
+                   f"[5m]))", "{{stream}} refused (wrong key)")], unit="short", w=12,
+            thresholds=steps(OK, ("red", 3))),
+        panel("timeseries", "Stalls, filler and dropped audio", [
+            target(f"sum by (stream) (increase(ray_babelcast_audio_stalls_total{{{S}}}[5m]))",
+                   "{{stream}} stalls"),
+            target(f"sum by (stream) (increase(ray_babelcast_audio_gap_fill_seconds_total"
+                   f"{{{S}}}[5m]))", "{{stream}} filler s"),
+            target(f"sum by (stream) (increase("
+                   f"ray_babelcast_late_audio_dropped_seconds_total{{{S}}}[5m]))",
+                   "{{stream}} real audio dropped s")], unit="short", w=12,
+            thresholds=steps(OK, ("red", 0.5)),
+            description="Per 5 minutes. Dropped is real audio that came after filler had "
+                        "taken its time: it should stay 0."),
+        panel("timeseries", "Source silent (filler only) and stall threshold", [
+            target(f"max by (stream) (ray_babelcast_source_silent_seconds{{{S}}})",
+                   "{{stream}} fed only filler"),
+            target(f"max by (stream) (ray_babelcast_stall_threshold_seconds{{{S}}})",
+                   "{{stream}} stall threshold")], unit="s", w=12,
+            thresholds=steps(OK, ("red", 5)),
+            description="Above 0 the room's source is lost (status: source lost). The "
+                        "threshold rises for transports that deliver in bursts."),
         row("Translations"),
         panel("timeseries", "Translation lag p95 per language", [target(
             p95("ray_babelcast_translation_lag_seconds", "stream, lang", f"{S},{L}"),

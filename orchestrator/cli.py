@@ -45,13 +45,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = _load_or_exit(args.file)
+    from orchestrator.source_config import read_stream_secrets
+
+    _, problems = read_stream_secrets(cfg.streams, os.environ)
+    if problems:  # names the variables, never their values
+        for problem in problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        print(f"{args.file}: {len(problems)} problem(s); nothing was started", file=sys.stderr)
+        return 2
     from orchestrator.run import run_event
 
     return asyncio.run(run_event(cfg, duration_s=args.duration, plain=args.plain))
 
 
+# Close codes a gateway sends when it stops: uvicorn says 1012 (service restart) at
+# shutdown, 1001 is "going away". A Babelcast gateway stops when its event does.
+_GATEWAY_STOPPED = (1001, 1012)
+
+
 async def _tail(url: str, stream: str, lang: str | None, since: int | None, finals: bool,
-                as_json: bool, limit: int | None, token: str | None = None) -> int:
+                as_json: bool, limit: int | None, token: str | None = None,
+                give_up_s: float = 30.0) -> int:
+    import time
+
     import websockets
 
     from orchestrator.gateway.local_credentials import token_for
@@ -68,10 +84,12 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
     target = f"{ws_url}/v1/streams/{stream}/captions" + ("?" + "&".join(query) if query else "")
     shown = 0
     backoff = 0.5
+    reached = time.monotonic()  # the last time the gateway answered (or the start)
     while True:
         try:
             async with websockets.connect(target, additional_headers=headers) as ws:
                 backoff = 0.5
+                reached = time.monotonic()
                 async for raw in ws:
                     msg: dict[str, Any] = json.loads(raw)
                     if msg.get("type") == "error":
@@ -98,23 +116,36 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
             print(f"error: the gateway refused the connection "
                   f"({exc.response.status_code})", file=sys.stderr)
             return 1
-        except (OSError, websockets.ConnectionClosed) as exc:
-            if isinstance(exc, websockets.ConnectionClosed) and exc.rcvd is not None and (
-                    exc.rcvd.code in (4401, 4403)):
-                print(f"error: {exc.rcvd.reason or 'not allowed'} ({exc.rcvd.code}); pass "
+        except websockets.ConnectionClosed as exc:
+            code = exc.rcvd.code if exc.rcvd is not None else None
+            if code in (4401, 4403):
+                print(f"error: {exc.rcvd.reason or 'not allowed'} ({code}); pass "  # type: ignore[union-attr]
                       "--token or set $BABELCAST_TOKEN", file=sys.stderr)
                 return 1
+            if code in _GATEWAY_STOPPED:
+                print(f"babelcast tail: the event has ended (the gateway at {url} shut down)",
+                      file=sys.stderr)
+                return 0
+            reached = time.monotonic()
             print(f"connection lost ({type(exc).__name__}); retrying in {backoff:.1f}s",
                   file=sys.stderr)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10)
+        except OSError as exc:
+            if time.monotonic() - reached > give_up_s:
+                print(f"babelcast tail: no gateway at {url} for {give_up_s:.0f} s "
+                      f"({type(exc).__name__}); the event has ended or is unreachable",
+                      file=sys.stderr)
+                return 1
+            print(f"cannot reach the gateway ({type(exc).__name__}); retrying in "
+                  f"{backoff:.1f}s", file=sys.stderr)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, 5)
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(
             _tail(args.url, args.stream, args.lang, args.since, args.finals, args.json,
-                  args.limit, args.token)
+                  args.limit, args.token, args.give_up)
         )
     return 0
 
@@ -305,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON message per line")
     t.add_argument("--limit", type=int, default=None, help="exit after N captions")
     t.add_argument("--token", default=None, help="a viewer (or admin) token")
+    t.add_argument("--give-up", type=float, default=30.0, metavar="S",
+                   help="exit when no gateway answers for S seconds (default 30)")
     t.set_defaults(func=cmd_tail)
     st = sub.add_parser("status", help="print a running event's headline figures")
     st.add_argument("--url", default=os.environ.get("BABELCAST_URL", "http://127.0.0.1:8000"),

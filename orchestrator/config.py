@@ -35,6 +35,7 @@ from orchestrator.gateway.security_config import (
     origin_problems,
 )
 from orchestrator.outputs.config import OutputsConfig, outputs_problems
+from orchestrator.source_config import listen_port_problems, resolve_file, source_problems
 from translation.backends import KINDS as TRANSLATION_KINDS
 from translation.backends import Routes, concrete, no_backend_message
 
@@ -45,9 +46,11 @@ _STREAM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _LANG = re.compile(r"^[a-z]{2}$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _URL_KINDS: dict[str, SourceKind] = {
-    "http": "pyav", "https": "pyav", "rtmp": "pyav", "rtsp": "pyav", "srt": "srt",
+    "http": "pyav", "https": "pyav", "rtmp": "pyav", "rtmps": "pyav", "rtsp": "pyav",
+    "srt": "srt",
 }
-_SUPPORTED_SOURCES = "a file path, file://PATH, http://, https://, rtmp://, rtsp://, srt://, push"
+_SUPPORTED_SOURCES = ("a file path, file://PATH, http://, https://, rtmp://, rtmps://, rtsp://, "
+                      "srt://, push")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
@@ -142,8 +145,12 @@ class SessionConfig(_Strict):
                                 description="speech seconds without text that mean a rut")
     rut_chars_per_speech_s: float = Field(
         default=1.0, ge=0, description="below this many characters per speech second: a rut")
-    stall_s: float = Field(default=0.2, gt=0,
-                           description="source silence before dithered noise is fed")
+    stall_s: float = Field(
+        default=1.0, gt=0,
+        description="source silence before dithered noise is fed; raised automatically up to "
+                    "stall_max_s for transports that deliver in bursts (MPEG-TS, HLS)")
+    stall_max_s: float = Field(default=3.0, gt=0,
+                               description="the learned stall threshold never exceeds this")
     dither_lsb: int = Field(default=2, ge=1, le=64, description="noise amplitude in LSB")
     max_fill_s: float = Field(default=10.0, gt=0,
                               description="longer holes start a fresh session instead")
@@ -154,6 +161,9 @@ class SessionConfig(_Strict):
             raise _fail(f"margin_s ({self.margin_s}) must be below budget_s ({self.budget_s})")
         if self.rut_speech_s > self.rut_window_s:
             raise _fail("rut_speech_s cannot exceed rut_window_s")
+        if self.stall_max_s < self.stall_s:
+            raise _fail(f"stall_max_s ({self.stall_max_s}) cannot be below stall_s "
+                        f"({self.stall_s})")
         return self
 
 
@@ -380,6 +390,11 @@ def _split_source(source: str) -> tuple[SourceKind, str]:
     return _URL_KINDS[scheme], source
 
 
+class ListenTlsConfig(_Strict):
+    cert: str = Field(description="PEM certificate chain file (relative: to the event file)")
+    key: str = Field(description="PEM private key file (relative: to the event file)")
+
+
 class StreamConfig(_Strict):
     id: str = Field(description="stream id: lowercase letters, digits, '-' and '_', ≤64 chars")
     name: str = Field(default="", description="display name; empty or omitted: the id")
@@ -388,6 +403,14 @@ class StreamConfig(_Strict):
     language: str = Field(default="auto", description="spoken language: 'auto' or ISO-639-1")
     targets: list[str] = Field(
         default_factory=list, description="ISO-639-1 codes to translate captions into")
+    key_env: str | None = Field(
+        default=None, description="environment variable holding the stream key (RTMP "
+                                  "listener) or the SRT passphrase; never the key itself")
+    tls: ListenTlsConfig | None = Field(
+        default=None, description="rtmps listener: its certificate and key files")
+    hls_start_segments: int = Field(
+        default=1, ge=1, le=20,
+        description="HLS: start this many segments from the live edge (1: the newest)")
     _resolved_source: str = PrivateAttr("")
 
     @field_validator("id")
@@ -427,6 +450,16 @@ class StreamConfig(_Strict):
     def _resolve(self, info: ValidationInfo) -> Self:
         self.name = self.name or self.id
         kind, rest = _split_source(self.source)
+        base_dir = Path((info.context or {}).get("base_dir") or Path.cwd())
+        problems = source_problems(self)
+        if self.tls is not None and not any(loc == ("tls",) for loc, _, _ in problems):
+            for name in ("cert", "key"):
+                path = resolve_file(getattr(self.tls, name), base_dir)
+                if not path.is_file():
+                    problems.append((("tls", name), f"file not found: {path}",
+                                     getattr(self.tls, name)))
+                setattr(self.tls, name, str(path))
+        _raise_at("StreamConfig", problems)
         if kind != "file":
             self._resolved_source = rest
             return self
@@ -516,6 +549,7 @@ class EventConfig(_Strict):
         problems += auth_problems(self.auth, self.gateway.host, self.streams)
         problems += [(("gateway", "allowed_origins", *loc), msg, v)
                      for loc, msg, v in origin_problems(self.gateway.allowed_origins)]
+        problems += listen_port_problems(self.streams)
         _raise_at("EventConfig", problems)
         return self
 

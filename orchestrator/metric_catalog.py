@@ -42,7 +42,10 @@ LABELS: dict[str, str] = {
     "role": "what an actor does: asr, ingest, translator",
     "kind": "partial or final (captions); source or prompt (translation characters)",
     "reason": "rollover reason (budget, rut, engine_error, gap) or gap reason "
-              "(late, source-error, source-crash, ingest-restart)",
+              "(late, source-error, source-crash, ingest-restart; what a source said: "
+              "rtmp-waiting, rtmp-disconnect, rtmp-takeover, srt-waiting, srt-disconnect, "
+              "hls-missing, hls-stalled, hls-skipped, hls-restart, hls-discontinuity, "
+              "hls-bad-segment)",
     "backend": "translation backend name (bergamot, apertium, openai-chat, vllm, none)",
     "state": "translation job state: waiting (not yet read) or pending (being worked on)",
     "component": "process part that saw the error: gateway",
@@ -113,6 +116,18 @@ CATALOG: tuple[MetricSpec, ...] = (
          "Holes in a stream's audio seen by its session manager", "stream"),
     _ray("babelcast_audio_gap_fill_seconds_total", "counter",
          "Seconds of dithered noise fed for stalled or missing audio", "stream"),
+    _ray("babelcast_audio_stalls_total", "counter",
+         "Times the stream's source went silent past the stall threshold (filler began)",
+         "stream"),
+    _ray("babelcast_late_audio_dropped_seconds_total", "counter",
+         "Seconds of real audio thrown away because they came after filler had taken "
+         "their time (should stay 0: the stall threshold learns the transport)", "stream"),
+    _ray("babelcast_source_silent_seconds", "gauge",
+         "Seconds the stream has been fed only filler (0 while real audio flows): above 0 "
+         "the room's source is lost", "stream"),
+    _ray("babelcast_stall_threshold_seconds", "gauge",
+         "The stream's current stall threshold, learned from how its transport delivers",
+         "stream"),
     _ray("babelcast_session_errors_total", "counter",
          "Stream sessions that failed and were reopened by the ASR host", "stream"),
     _ray("babelcast_asr_audio_seconds_total", "counter",
@@ -140,6 +155,9 @@ CATALOG: tuple[MetricSpec, ...] = (
          "Source reconnect attempts after a source error or crash", "stream"),
     _ray("babelcast_source_gaps_total", "counter",
          "Holes in a source's audio recorded by ingest, by reason", "stream", "reason"),
+    _ray("babelcast_source_refused_total", "counter",
+         "Encoders a listener turned away (wrong stream key or passphrase, wrong application, "
+         "unsupported codec)", "stream"),
     # ---- translator actors (translation/host.py through RayTranslationMetrics) ----
     _ray("babelcast_translation_lag_seconds", "histogram",
          "Source final published to its translation published", "stream", "lang", "backend",

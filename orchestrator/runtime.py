@@ -60,6 +60,12 @@ def stream_options(s: StreamConfig, t: TranslationConfig | None = None) -> Strea
         loop=s.loop,
         context_sentences=t.context_sentences,
         partials_every_s=t.partials_every_s,
+        # The secret is read here, where the event starts (`babelcast run` has checked
+        # that it is set), and travels to the ingest actor out of every repr.
+        key=os.environ.get(s.key_env, "") if s.key_env else "",
+        tls_cert=s.tls.cert if s.tls else "",
+        tls_key=s.tls.key if s.tls else "",
+        hls_start_segments=s.hls_start_segments,
     )
 
 
@@ -70,7 +76,8 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
         switch_pause_s=c.switch_pause_s,
         rut=RutPolicy(window_s=c.rut_window_s, speech_s=c.rut_speech_s,
                       chars_per_speech_s=c.rut_chars_per_speech_s),
-        stall_s=c.stall_s, dither_lsb=c.dither_lsb, max_fill_s=c.max_fill_s,
+        stall_s=c.stall_s, stall_max_s=c.stall_max_s, dither_lsb=c.dither_lsb,
+        max_fill_s=c.max_fill_s,
     )
 
 
@@ -130,6 +137,9 @@ STREAM_COUNTERS: dict[str, str] = {
     "asr_audio_s": "babelcast_asr_audio_seconds_total",
     "source_audio_s": "babelcast_source_audio_seconds_total",
     "source_reconnects": "babelcast_source_reconnects_total",
+    "source_refused": "babelcast_source_refused_total",
+    "stalls": "babelcast_audio_stalls_total",
+    "late_audio_dropped_s": "babelcast_late_audio_dropped_seconds_total",
 }
 """Worker counter keys (`workers.telemetry`) → catalog metrics labelled by stream."""
 STREAM_COUNTER_PREFIXES: dict[str, str] = {
@@ -142,6 +152,8 @@ STREAM_GAUGES: dict[str, str] = {
     "speech_without_caption_s": "babelcast_speech_without_caption_seconds",
     "last_caption_at": "babelcast_last_caption_timestamp_seconds",
     "active": "babelcast_asr_stream_active",
+    "source_silent_s": "babelcast_source_silent_seconds",
+    "stall_threshold_s": "babelcast_stall_threshold_seconds",
 }
 ACTOR_COUNTERS: dict[str, str] = {
     "engine_busy_s": "babelcast_engine_busy_seconds_total",
@@ -154,7 +166,7 @@ ACTOR_GAUGES: dict[str, str] = {
 }
 STATUS_ONLY = frozenset({
     "sessions_opened", "seam_words_deduped", "rollover_failures", "session_open_failures",
-    "ruts_detected", "forced_switches", "late_audio_dropped_s", "stalls", "source_gaps",
+    "ruts_detected", "forced_switches", "source_gaps",
 })
 """Session-manager counters that stay in the stream's status hash only."""
 
@@ -476,7 +488,9 @@ class EventRuntime:
         for i in range(self.cfg.ingest.actors):
             actor_id = f"ingest-{i}"
             self.ingest[actor_id] = ingest_cls.options(name=f"babelcast-{actor_id}").remote(
-                IngestHostOptions(actor_id=actor_id, redis_url=self.redis_url)
+                IngestHostOptions(actor_id=actor_id, redis_url=self.redis_url,
+                                  stall_s=e.session.stall_s,
+                                  stall_max_s=e.session.stall_max_s)
             )
         await self.start_translators()
         self.router = Router(budget=e.streams_per_actor, actors=list(self.asr))

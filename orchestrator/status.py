@@ -23,6 +23,28 @@ STALE_S = 15.0
 """An actor whose hash was not updated for this long is reported as silent (actors
 report every second)."""
 
+LOST_SOURCE_STATES = frozenset({"idle", "reconnecting"})
+"""Ingest states in which no audio comes although the stream runs: the room says `source
+lost` (or `waiting for source` before its first caption), as it does while the ASR side
+feeds only filler (`source_silent_s` > 0)."""
+
+
+def room_state(st: Mapping[str, str]) -> str:
+    """What a room is doing, from its status hash: the source's side first, because a
+    session fed only filler still looks like `captioning` to the ASR side."""
+    if st.get("placement", "") == "unplaced":
+        return "unplaced"
+    asr = st.get("asr_state", "waiting")
+    source = st.get("source_state", "")
+    if source == "ended":
+        return "ended"
+    if source == "failed":
+        return "source failed"
+    silent = (_num(st, "source_silent_s") or 0.0) > 0
+    if silent or source in LOST_SOURCE_STATES:
+        return "source lost" if asr == "captioning" else "waiting for source"
+    return asr
+
 
 def _num(fields: Mapping[str, str], key: str) -> float | None:
     try:
@@ -60,7 +82,7 @@ async def _stream(bus: RedisBus, o: StreamOptions, clients: Mapping[tuple[str, s
                   now: float) -> dict[str, Any]:
     st = await bus.get_status(o.stream_id)
     placement = st.get("placement", "")
-    state = "unplaced" if placement == "unplaced" else st.get("asr_state", "waiting")
+    state = room_state(st)
     last_at = _num(st, "last_caption_at")
     translations: dict[str, Any] = {}
     for lang in o.targets:
@@ -85,6 +107,15 @@ async def _stream(bus: RedisBus, o: StreamOptions, clients: Mapping[tuple[str, s
         "speech_without_caption_s": _round(_num(st, "speech_without_caption_s"), 1),
         "rollovers": int(sum(float(v) for k, v in st.items() if k.startswith("rollovers_"))),
         "gaps": int(_num(st, "gaps") or 0),
+        # Source stalls the ASR side filled, the filler fed, and real audio that came
+        # after its time was filled (thrown away: counted so it is seen).
+        "stalls": int(_num(st, "stalls") or 0),
+        "filler_s": _round(_num(st, "gap_fill_s") or 0.0, 1),
+        "dropped_audio_s": _round(_num(st, "late_audio_dropped_s") or 0.0, 1),
+        "source_silent_s": _round(_num(st, "source_silent_s") or 0.0, 1),
+        "stall_threshold_s": _round(_num(st, "stall_threshold_s")),
+        "source_note": st.get("source_note", ""),
+        "source_refused": int(_num(st, "source_refused") or 0),
         "source_reconnects": int(_num(st, "source_reconnects") or 0),
         "clients": sum(n for (s, _), n in clients.items() if s == o.stream_id),
         "translations": translations,
@@ -100,7 +131,13 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
         "reported_age_s": _round(age, 1),
         "silent": age is None or age > STALE_S,
     }
-    if out["role"] == "asr":
+    if out["role"] == "ingest":
+        out.update(streams=int(_num(h, "streams") or 0),
+                   live=int(_num(h, "streams_live") or 0),
+                   idle=int(_num(h, "streams_idle") or 0),
+                   reconnecting=int(_num(h, "streams_reconnecting") or 0)
+                   + int(_num(h, "streams_connecting") or 0))
+    elif out["role"] == "asr":
         busy, audio = _num(h, "decode_busy_s"), _num(h, "audio_s")
         ok = _num(h, "engine_ok")
         out.update(streams=int(_num(h, "streams") or 0),
@@ -182,10 +219,12 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
         rows.append((s["id"], state, s["source_state"], s["actor"] or "-",
                      _s(s["last_caption_age_s"], " s ago"), _s(s["last_final_latency_s"],
                                                                digits=2),
-                     str(s["finals"]), _s(s["speech_without_caption_s"]), str(s["rollovers"]),
-                     str(s["clients"])))
+                     str(s["finals"]), _s(s["speech_without_caption_s"]),
+                     str(s.get("stalls", 0)), _s(s.get("filler_s")),
+                     _s(s.get("dropped_audio_s")), str(s["rollovers"]), str(s["clients"])))
     lines += _table(("ROOM", "STATE", "SOURCE", "ACTOR", "LAST CAPTION", "FINAL LATENCY",
-                     "FINALS", "SPEECH W/O CAPTION", "ROLLOVERS", "CLIENTS"), rows)
+                     "FINALS", "SPEECH W/O CAPTION", "STALLS", "FILLER", "DROPPED",
+                     "ROLLOVERS", "CLIENTS"), rows)
     tr = status["translation"]
     per_room = [(s["id"], lang, t) for s in status["streams"]
                 for lang, t in s["translations"].items()]
@@ -204,7 +243,10 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
                          "LAST", ""), rows)
     rows = []
     for a in status["actors"]:
-        if a["role"] == "asr":
+        if a["role"] == "ingest":
+            load = f"{a['streams']} streams: {a['live']} live, {a['idle']} idle"
+            extra = f"{a['reconnecting']} reconnecting" if a.get("reconnecting") else ""
+        elif a["role"] == "asr":
             load = f"{a['streams']}/{a['max_streams']} streams"
             parts = [f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else "",
                      "ENGINE DEAD" if a.get("engine_ok") is False else "",

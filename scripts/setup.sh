@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything Babelcast needs on a Debian 12 machine (as root, or with sudo):
-# Debian packages (redis-server, ffmpeg, python3-venv, Apertium with its en-es and fr-es
+# Debian packages (redis-server, ffmpeg, openssl, python3-venv, Apertium with its en-es and fr-es
 # pairs for the embedded translator, Chromium for the overlay's browser tests) and a
 # virtualenv in .venv.
 # Safe to run again: it only installs what is missing.
@@ -13,6 +13,8 @@ if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v ffmpeg >/dev/null 2>&1 || missing+=(ffmpeg)
+# openssl: the rtmps listener test makes a self-signed certificate with it.
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 command -v apertium >/dev/null 2>&1 || missing+=(apertium)
 [ -f /usr/share/apertium/modes/eng-spa.mode ] || missing+=(apertium-eng-spa)
 [ -f /usr/share/apertium/modes/fr-es.mode ] || missing+=(apertium-fr-es)

@@ -54,15 +54,20 @@ class FakeVllmBackend:
     async def prompts(self, audio: AsyncIterator[np.ndarray],
                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
         q: asyncio.Queue[int | None] = asyncio.Queue()
+        drained = consumed = 0
+        need = self.first * FRAME
 
-        async def drain() -> None:  # the real buffer's feed_audio task
+        async def drain() -> None:  # the real buffer's feed_audio task: as eager as it is
+            nonlocal drained
             async for a in audio:
+                drained += int(a.size)
+                self.max_ahead = max(self.max_ahead, drained - consumed - need)
                 q.put_nowait(int(a.size))
             q.put_nowait(None)
 
         task = asyncio.create_task(drain())
         try:
-            buffered, n, need = 0, 0, self.first * FRAME
+            buffered, n = 0, 0
             ended = False
             while True:
                 while not ended and buffered < need:
@@ -71,13 +76,13 @@ class FakeVllmBackend:
                         ended = True
                         break
                     buffered += size
-                    self.max_ahead = max(self.max_ahead, buffered - need)
                 if ended and buffered < need:
                     break
                 if n:
                     await asyncio.wait_for(tokens.get(), 5)
                     self.fed_back += 1
                 buffered -= need
+                consumed += need
                 need = FRAME
                 n += 1
                 yield n

@@ -235,6 +235,12 @@ async def test_export_rebuilds_vtt_and_srt_from_redis(
     assert missing.returncode == 2
     assert "no captions for stream 'hall' in language 'de'" in missing.stderr
     assert "en, fr" in missing.stderr
+    # A stream this Redis never heard of is named as such, not blamed on the language.
+    unknown = await asyncio.to_thread(babelcast, "export", "hal", "--lang", "en", "--redis",
+                                      redis_url)
+    assert unknown.returncode == 2
+    assert "unknown stream 'hal'" in unknown.stderr and "streams there: hall" in unknown.stderr
+    assert "language" not in unknown.stderr
 
 
 @unit

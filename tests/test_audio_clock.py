@@ -53,6 +53,20 @@ def test_small_jitter_is_not_a_gap() -> None:
     assert chunk.pos == 2000
 
 
+def test_a_pause_the_transport_makes_again_and_again_becomes_a_burst_not_a_gap() -> None:
+    clock = FakeClock()
+    audio = AudioClock("hall-a", 0, clock=clock)
+    gaps = []
+    for i in range(40):
+        # HLS-like: 1.2 s of nothing every 10 chunks, then the audio comes all at once.
+        clock.now += 1.2 if i % 10 == 9 else 0.0
+        gap, _ = audio.stamp(CHUNK)
+        gaps.append(gap)
+    # The first such pause is taken for a hole (it is longer than the 0.75 s floor);
+    # from then on it is the way this transport delivers.
+    assert [i for i, g in enumerate(gaps) if g is not None] == [9]
+
+
 def test_chunks_arriving_in_a_burst_are_not_a_gap() -> None:
     clock = FakeClock()
     audio = AudioClock("hall-a", 0, clock=clock)
@@ -87,7 +101,8 @@ def test_audio_time_tracks_wall_time_across_several_pauses() -> None:
     pcm = b"\x00\x00" * 1600
     gaps = 0
     for i in range(60):
-        clock.now += 2.5 if i % 15 == 14 else chunk_s
+        # 4 s: an outage, longer than any delivery gap the clock would learn (2.75 s).
+        clock.now += 4.0 if i % 15 == 14 else chunk_s
         gap, chunk = audio.stamp(pcm)
         gaps += gap is not None
         # The chunk's end, in audio time, sits where its wall time says: the first

@@ -108,9 +108,11 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
     asr.stream_update(
         "room-a",
         {"rollovers_rut": 1, "rut_recoveries": 1, "gaps": 2, "gap_fill_s": 0.5,
-         "session_errors": 1, "asr_audio_s": 1.0, "sessions_opened": 3},
+         "session_errors": 1, "asr_audio_s": 1.0, "sessions_opened": 3, "stalls": 1,
+         "late_audio_dropped_s": 0.2},
         {"voiced_without_text_s": 2.0, "speech_without_caption_s": 4.0,
-         "last_caption_at": 1.7e9, "active": 1.0})
+         "last_caption_at": 1.7e9, "active": 1.0, "source_silent_s": 3.0,
+         "stall_threshold_s": 1.25})
     asr.caption_published("room-a", True, 1.2)
     asr.caption_published("room-a", False, 0.4)
     asr.caption_published("room-a", True, None)
@@ -118,7 +120,7 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
                      {"engine_healthy": 1.0, "engine_reanchoring": 1.0})
     ingest = runtime.RayMetricsSink("ingest-0", instruments)
     ingest.stream_update("room-a", {"source_audio_s": 1.0, "source_reconnects": 1,
-                                    "source_gaps_source-error": 1}, {})
+                                    "source_gaps_source-error": 1, "source_refused": 1}, {})
     mt = runtime.RayTranslationMetrics(instruments)
     mt.published("room-a", "pt", "bergamot", 0.4, error=False, final=True)
     mt.published("room-a", "es", "apertium", 0.2, error=True, final=False)

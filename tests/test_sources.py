@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 from workers.events import SAMPLE_RATE
-from workers.sources.base import AudioSource, SourceError
+from workers.sources.base import AudioSource, SourceError, SourceEvent, SourceItem
 from workers.sources.factory import open_source
 from workers.sources.file import FileSource
-from workers.sources.pyav import CHUNK_BYTES, Pacer, PyAVSource, redact_url
+from workers.sources.hls import HlsSource
+from workers.sources.pyav import CHUNK_BYTES, LIVE_LEAD_S, Pacer, PyAVSource, redact_url
+from workers.sources.rtmp_listen import RtmpListenSource
 from workers.sources.srt import SrtSource
 
 pytestmark = pytest.mark.integration
@@ -67,15 +69,16 @@ def tone(tmp_path: Path) -> Path:
 
 async def collect(
     source: AudioSource, *, max_bytes: int | None = None, limit_s: float = 8.0
-) -> tuple[list[bytes], SourceError | None]:
+) -> tuple[list[SourceItem], SourceError | None]:
     """Chunks until the source ends, fails, or yields `max_bytes`; bounded by `limit_s`."""
-    chunks: list[bytes] = []
+    chunks: list[SourceItem] = []
 
     async def run() -> SourceError | None:
         try:
             async for chunk in source.chunks():
                 chunks.append(chunk)
-                if max_bytes is not None and sum(map(len, chunks)) >= max_bytes:
+                audio = sum(len(c) for c in chunks if isinstance(c, bytes))
+                if max_bytes is not None and audio >= max_bytes:
                     return None
         except SourceError as exc:
             return exc
@@ -164,6 +167,17 @@ async def test_pacer_catches_up_a_short_lag_without_sleeping() -> None:
     assert len(clock.slept) == slept  # these chunks were already due
     await pacer.wait(1600)
     assert clock.now == pytest.approx(100.6)
+
+
+async def test_a_live_pacer_lets_its_first_second_out_at_once_then_holds_real_time() -> None:
+    clock = VirtualClock()
+    pacer = Pacer(clock, clock.sleep, lead_s=LIVE_LEAD_S)
+    for _ in range(10):  # what FFmpeg probed at connect: out at once, not kept as latency
+        await pacer.wait(1600)
+    assert clock.slept == []
+    for _ in range(10):  # a sender faster than real time gets no further ahead
+        await pacer.wait(1600)
+    assert clock.now == pytest.approx(100.9)
 
 
 async def test_pacer_rebases_after_a_long_stall_instead_of_bursting() -> None:
@@ -368,7 +382,10 @@ async def test_closing_an_srt_source_ends_its_ffmpeg(tmp_path: Path) -> None:
 
     await asyncio.wait_for(source.aclose(), 5)
     chunks, error = await asyncio.wait_for(reading, 5)
-    assert (chunks, error) == ([], None)  # closed on purpose: a normal end
+    # Closed on purpose: a normal end, with no audio; it only said it was waiting.
+    assert error is None
+    assert [c.reason for c in chunks if isinstance(c, SourceEvent)] == ["srt-waiting"]
+    assert not [c for c in chunks if isinstance(c, bytes)]
     assert not child_pids() - before
 
 
@@ -378,9 +395,22 @@ async def test_closing_an_srt_source_ends_its_ffmpeg(tmp_path: Path) -> None:
 def test_open_source_picks_the_source_by_scheme(tone: Path) -> None:
     assert isinstance(open_source(str(tone)), FileSource)
     assert isinstance(open_source(tone.as_uri(), loop=True), FileSource)
-    for url in ("http://h/a.m3u8", "https://h/a.aac", "rtmp://h/live/a", "rtsp://h/cam"):
+    for url in ("https://h/a.aac", "rtmp://h/live/a", "rtmps://h/live/a", "rtsp://h/cam"):
         assert isinstance(open_source(url), PyAVSource)
+    for url in ("http://h/a.m3u8", "https://h/live/index.m3u8?token=x"):
+        assert isinstance(open_source(url), HlsSource)
     assert isinstance(open_source("srt://h:9000?mode=caller"), SrtSource)
+    assert isinstance(open_source("srt://0.0.0.0:9000?mode=listener"), SrtSource)
+    for url in ("rtmp://0.0.0.0:1935/live", "rtmp://127.0.0.1:1935/live?listen=1"):
+        assert isinstance(open_source(url, key="k"), RtmpListenSource)
+
+
+@pytest.mark.parametrize("url", ["http://0.0.0.0:8080/live.aac", "rtsp://h/cam?listen=1",
+                                 "rtmp://0.0.0.0:1935/live/thekey",
+                                 "rtmp://encoder.local:1935/live?listen=1"])
+def test_open_source_refuses_listen_urls_it_cannot_serve(url: str) -> None:
+    with pytest.raises(ValueError):
+        open_source(url, key="k")
 
 
 @pytest.mark.parametrize("url", ["push", "push://hall-a", "ftp://h/a.wav", "udp://h:1234"])

@@ -144,3 +144,64 @@ def test_render_of_an_event_that_just_started() -> None:
     out = render(body)
     assert "hall  waiting" in out and "Clients: 0 connected" in out
     assert "Translation" not in out
+
+
+async def test_ingest_actors_say_live_and_idle_and_a_room_fed_only_filler_is_source_lost(
+    redis_url: str, bus: RedisBus
+) -> None:
+    from orchestrator.status import collect
+    from tests.speech import AUDIO
+    from workers.ingest import IngestHost, IngestHostOptions
+
+    hall = StreamOptions(stream_id="hall", name="Hall", source=str(AUDIO / "room-a.flac"),
+                         language="en")
+    obs = StreamOptions(stream_id="obs", name="OBS", language="en", key="k",
+                        source=f"rtmp://127.0.0.1:{free_port()}/live?listen=1")
+    host = IngestHost(IngestHostOptions(actor_id="ingest-0", redis_url=redis_url))
+    await host.start()
+    try:
+        await register_actors(bus, ["ingest-0"])
+        for opts in (hall, obs):
+            await host.add_stream(opts)
+        # What the ASR side writes for a room that captioned, then got only filler.
+        await bus.set_status("obs", asr_state="captioning", source_silent_s=4.2, stalls=3,
+                             gap_fill_s=4.2, late_audio_dropped_s=0.0)
+
+        async def reported() -> dict[str, Any]:
+            while True:
+                body = await collect(bus, [hall, obs], "Test event", {})
+                actor = body["actors"][0]
+                if actor.get("live") == 1 and actor.get("idle") == 1:
+                    return body
+                await asyncio.sleep(0.1)
+
+        body = await asyncio.wait_for(reported(), 10)
+    finally:
+        await asyncio.wait_for(host.stop(), 15)
+    actor = body["actors"][0]
+    assert (actor["id"], actor["role"], actor["silent"]) == ("ingest-0", "ingest", False)
+    rooms = {s["id"]: s for s in body["streams"]}
+    assert rooms["hall"]["source_state"] == "live"
+    assert rooms["obs"]["source_state"] == "idle" and rooms["obs"]["state"] == "source lost"
+    assert "waiting for an encoder" in rooms["obs"]["source_note"]
+    out = render(body)
+    assert "ingest-0  ingest  2 streams: 1 live, 1 idle" in out
+    header = next(line for line in out.splitlines() if line.startswith("ROOM "))
+    assert "STALLS" in header and "FILLER" in header and "DROPPED" in header
+    obs_line = next(line for line in out.splitlines() if line.startswith("obs "))
+    assert "source lost" in obs_line and "4.2 s" in obs_line and "0.0 s" in obs_line
+
+
+def test_room_state_tells_the_truth_about_the_source() -> None:
+    from orchestrator.status import room_state
+
+    assert room_state({"asr_state": "captioning", "source_state": "live"}) == "captioning"
+    assert room_state({"asr_state": "captioning", "source_state": "live",
+                       "source_silent_s": "2.5"}) == "source lost"
+    assert room_state({"asr_state": "captioning", "source_state": "reconnecting"}) == \
+        "source lost"
+    assert room_state({"asr_state": "listening", "source_state": "idle"}) == \
+        "waiting for source"
+    assert room_state({"asr_state": "captioning", "source_state": "ended",
+                       "source_silent_s": "30"}) == "ended"
+    assert room_state({"placement": "unplaced", "source_state": "idle"}) == "unplaced"

@@ -7,7 +7,7 @@ are produced by `workers.bus`, not here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SAMPLE_RATE = 16_000
 """Every audio chunk inside Babelcast is PCM16 little-endian, mono, 16 kHz."""
@@ -153,6 +153,15 @@ class StreamOptions:
     """How many previous final sentences travel with a translation job."""
     partials_every_s: float | None = None
     """Also translate the open segment (as non-final) at most this often; None: finals only."""
+    key: str = field(default="", repr=False)
+    """The stream key an RTMP listener checks, or the SRT passphrase: a secret the
+    orchestrator read from the stream's `key_env`. Kept out of repr; never logged."""
+    tls_cert: str = ""
+    """rtmps listener: certificate chain file (PEM)."""
+    tls_key: str = ""
+    """rtmps listener: private key file (PEM)."""
+    hls_start_segments: int = 1
+    """HLS: start this many segments from the live edge (1: the newest)."""
 
     @property
     def caption_lang(self) -> str:

@@ -24,35 +24,37 @@ from redis.asyncio import Redis
 
 from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
-from workers.sources.base import AudioSource, SourceError
+from workers.sessions.stall import StallThreshold, ingest_threshold
+from workers.sources.base import AudioSource, SourceError, SourceEvent
 from workers.sources.factory import open_source
 from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
-
-GAP_MIN_S = 0.25
-"""A pause between chunks longer than this (beyond the chunk's own length) is a gap."""
-
 
 class AudioClock:
     """Stamps one stream's audio with its position and records gaps.
 
     The audio clock follows wall time across holes: after a 5 s outage the next
     chunk starts 5 s later in audio time, so captions and archives stay aligned
-    with the event's clock.
+    with the event's clock. A pause is a hole only when it is longer than the
+    transport's usual delivery gaps (`late`, learned: see workers/sessions/stall.py);
+    shorter ones are bursts of contiguous audio and move nothing.
     """
 
     def __init__(self, stream: str, pos: int, clock: Callable[[], float] = time.time,
-                 *, last_wall: float | None = None, reason: str | None = None) -> None:
+                 *, last_wall: float | None = None, reason: str | None = None,
+                 late: StallThreshold | None = None) -> None:
         """`last_wall`: when the audio before `pos` was captured, for a clock that
         takes over a stream (a restarted ingest, a new push connection): the time in
-        between becomes a gap with `reason`."""
+        between becomes a gap with `reason`. `late`: when a pause is a hole; by
+        default ingest's side of the session manager's default threshold."""
         self.stream = stream
         self.pos = pos
         self._clock = clock
         self.real_time = clock is time.time
         """Stamps may be derived from time.time() (an injected clock is used as is)."""
         self._last_wall = last_wall
+        self._late = late or ingest_threshold()
         self.pending_reason: str | None = reason if last_wall is not None else None
 
     def stamp(self, pcm: bytes, now: float | None = None) -> tuple[AudioGap | None, AudioChunk]:
@@ -60,9 +62,11 @@ class AudioClock:
         now = self._clock() if now is None else now
         samples = len(pcm) // 2
         gap: AudioGap | None = None
+        threshold = self._late.threshold_s(now)  # before this pause teaches it anything
+        self._late.arrival(now)
         if self._last_wall is not None:
             lost = now - self._last_wall - samples / SAMPLE_RATE
-            if lost > GAP_MIN_S or self.pending_reason is not None:
+            if now - self._last_wall > threshold or self.pending_reason is not None:
                 lost = max(lost, 0.0)
                 self.pos += round(lost * SAMPLE_RATE)
                 gap = AudioGap(self.stream, self.pos, lost, self.pending_reason or "late", now)
@@ -110,16 +114,29 @@ class IngestHostOptions:
     actor_id: str
     redis_url: str
     backoff_initial_s: float = 0.5
-    backoff_max_s: float = 10.0
+    backoff_max_s: float = 1.0
+    """A source down for a while is tried this often: a pulled encoder that comes back is
+    heard again within about this long (10 s made a 20 s outage last up to 30 s). One
+    ffmpeg start or HTTP request a second per dead source is cheap."""
     decode_threads: int = 8
+    stall_s: float = 1.0
+    stall_max_s: float = 3.0
+    """The ASR side's stall settings (engine.session): ingest's audio clock moves past a
+    pause just before the ASR side fills it (workers/sessions/stall.py)."""
+    report_every_s: float = 1.0
 
 
 SourceFactory = Callable[[StreamOptions, Any], AudioSource]
 
 
 def _default_factory(opts: StreamOptions, executor: Any) -> AudioSource:
-    return open_source(opts.source, loop=opts.loop, executor=executor)
+    return open_source(opts.source, loop=opts.loop, executor=executor, key=opts.key,
+                       tls_cert=opts.tls_cert, tls_key=opts.tls_key,
+                       hls_start_segments=opts.hls_start_segments)
 
+
+SOURCE_STATES = ("starting", "connecting", "live", "idle", "reconnecting", "ended", "failed")
+"""A stream's `source_state`: `idle` is a listener (or HLS playlist) with nobody sending."""
 
 METRICS_EVERY_S = 1.0
 """How often a stream's decoded audio seconds reach the metrics sink."""
@@ -136,6 +153,7 @@ class IngestHost:
         self._pool: ThreadPoolExecutor | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._state: dict[str, str] = {}
+        self._reporter: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._redis = Redis.from_url(self.options.redis_url)
@@ -143,6 +161,22 @@ class IngestHost:
         self._pool = ThreadPoolExecutor(
             max_workers=self.options.decode_threads, thread_name_prefix="decode"
         )
+        self._reporter = asyncio.create_task(self._report_loop(), name="ingest-report")
+
+    async def _report_loop(self) -> None:
+        """`actor:{id}` for `babelcast status`: this actor is alive, and its streams' states."""
+        while True:
+            states = list(self._state.values())
+            fields: dict[str, float | str] = {
+                "kind": "ingest", "streams": len(states),
+                **{f"streams_{s}": states.count(s) for s in SOURCE_STATES},
+            }
+            try:
+                await self.bus.set_actor_status(self.options.actor_id, fields)
+            except Exception as exc:  # status is a view; audio goes on without it
+                log.warning("actor %s: status report failed: %s", self.options.actor_id,
+                            type(exc).__name__)
+            await asyncio.sleep(self.options.report_every_s)
 
     @property
     def bus(self) -> RedisBus:
@@ -176,6 +210,10 @@ class IngestHost:
                 if not t.done() or self._state.get(s) == "ended"]
 
     async def stop(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reporter
         for stream_id in list(self._tasks):
             await self.remove_stream(stream_id)
         if self._pool is not None:
@@ -200,34 +238,62 @@ class IngestHost:
         except Exception as exc:
             log.warning("stream %s: ingest metrics failed: %s", stream, type(exc).__name__)
 
+    async def _on_event(self, stream: str, clock: AudioClock, event: SourceEvent) -> None:
+        """What a source says besides audio. Details are operator text without secrets."""
+        if event.kind == "refused":
+            log.warning("stream %s: %s", stream, event.detail)
+            self._count(stream, {"source_refused": 1.0})
+            with contextlib.suppress(*RETRYABLE):  # status is a view; Redis away is no crash
+                await self.bus.incr_status(stream, "source_refused")
+                await self.bus.set_status(stream, source_refused_last=event.detail)
+            return
+        # The audio after an idle spell or a gap is never glued to the audio before.
+        clock.pending_reason = event.reason
+        if event.kind == "idle":
+            await self._set(stream, "idle", source_error="", source_note=event.detail)
+        else:
+            with contextlib.suppress(*RETRYABLE):
+                await self.bus.set_status(stream, source_note=event.detail)
+
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
         pos, wall = await retry_redis(lambda: self.bus.last_audio_end(stream),
                                       what=f"stream {stream}", log=log)
-        clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart")
+        late = ingest_threshold(self.options.stall_s, self.options.stall_max_s)
+        clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart", late=late)
         attempt = 0
         audio_s = 0.0
         counted_at = time.monotonic()
-        while True:
+        try:
+            # One source for the stream's life: it keeps what it learned across
+            # reconnects (HLS: the next segment due), and a listener its port.
             source = self._factory(opts, self._pool)
+        except ValueError as exc:  # a URL validation should have refused
+            await self._set(stream, "failed", source_error=str(exc))
+            return
+        while True:
             await self._set(stream, "connecting")
             try:
                 live = False
-                async for pcm in source.chunks():
-                    gap = await write_audio(self.bus, clock, pcm)
+                async for item in source.chunks():
+                    if isinstance(item, SourceEvent):
+                        await self._on_event(stream, clock, item)
+                        live = live and item.kind != "idle"
+                        continue
+                    gap = await write_audio(self.bus, clock, item)
                     if gap is not None:
                         self._count(stream, {f"source_gaps_{gap.reason}": 1.0})
-                    audio_s += len(pcm) / 2 / SAMPLE_RATE
+                    audio_s += len(item) / 2 / SAMPLE_RATE
                     if time.monotonic() - counted_at >= METRICS_EVERY_S:
                         self._count(stream, {"source_audio_s": audio_s})
                         audio_s, counted_at = 0.0, time.monotonic()
                     if not live:
                         live = True
                         attempt = 0
-                        await self._set(stream, "live", source_error="")
+                        await self._set(stream, "live", source_error="", source_note="")
                 if audio_s:
                     self._count(stream, {"source_audio_s": audio_s})
-                await self._set(stream, "ended")
+                await self._set(stream, "ended", source_note="")
                 return
             except SourceError as exc:
                 # Message is operator-facing and carries no caption text.

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from orchestrator.outputs.archive import build_srt, build_vtt, sort_key
 from orchestrator.outputs.cues import Cue, FinalFilter, final_cues
-from workers.bus import RedisBus, captions_key
+from workers.bus import RedisBus, captions_key, status_key
 from workers.captions.linebreak import LineProfile
 from workers.events import CaptionSegment
 
@@ -64,6 +64,17 @@ async def languages_of(redis: Redis, stream: str) -> list[str]:
     return sorted(key[len(prefix):] for key in found)
 
 
+async def known_streams(redis: Redis) -> list[str]:
+    """Streams this Redis has status or captions for (an event's streams, past or running)."""
+    found: set[str] = set()
+    # "status:{stream}" and "captions:{stream}:{lang}"
+    for prefix in (status_key(""), captions_key("", "").removesuffix(":")):
+        async for key in redis.scan_iter(match=f"{prefix}*", count=500):
+            name = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix):]
+            found.add(name.split(":", 1)[0])
+    return sorted(found)
+
+
 async def export_captions(redis_url: str, stream: str, lang: str | None, fmt: Format,
                           profile: LineProfile) -> tuple[str, str, int]:
     """(file text, language, number of finals) for one stream; ExportError on problems."""
@@ -76,6 +87,11 @@ async def export_captions(redis_url: str, stream: str, lang: str | None, fmt: Fo
             raise ExportError(
                 f"cannot reach Redis at {safe_url(redis_url)} ({type(exc).__name__}); pass "
                 "the event's Redis with --redis URL or BABELCAST_REDIS_URL") from None
+        if not langs and stream not in await known_streams(redis):
+            have = ", ".join(await known_streams(redis)) or "none"
+            raise ExportError(f"unknown stream {stream!r}: Redis at {safe_url(redis_url)} "
+                              f"has no status or captions for it (streams there: {have}); "
+                              "check the stream id and --redis")
         if lang is None:
             if len(langs) != 1:
                 have = ", ".join(langs) if langs else "none"

@@ -56,6 +56,7 @@ from workers.engines.vad import FRAME_SAMPLES, InlineVad, VadStream
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
+from workers.sessions.stall import asr_threshold
 from workers.sessions.watchdog import RutPolicy, RutWatchdog
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,10 @@ class SessionPolicy:
     switch_pause_s: float = 0.25
     """Minimum pause (voice activity) that a switch point may sit in."""
     rut: RutPolicy = field(default_factory=RutPolicy)
-    stall_s: float = 0.2
+    stall_s: float = 1.0
+    """Floor of the stall threshold, which learns the transport's bursts (sessions/stall.py)."""
+    stall_max_s: float = 3.0
+    """Cap of the learned stall threshold: a source silent this long is always stalled."""
     dither_lsb: int = 2
     max_fill_s: float = 10.0
     restart_backoff_s: float = 1.0
@@ -110,6 +114,7 @@ class _Gen:
     accept_from_s: float = 0.0
     accept_until_s: float | None = None
     last_end_s: float = 0.0
+    last_start_s: float = 0.0
     last_words: list[str] = field(default_factory=list)
     held: list[TranscriptDelta] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
@@ -136,6 +141,7 @@ class SessionManager(RecognizeSession):
         self._vad: VadStream = vad or InlineVad()
         self._watch = RutWatchdog(p.rut)
         self._noise = DitherNoise(p.dither_lsb)
+        self._stall = asr_threshold(p.stall_s, p.stall_max_s)
         self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
             asyncio.Queue()
         )
@@ -248,6 +254,7 @@ class SessionManager(RecognizeSession):
             self._seam_gen = -1  # the seam is crossed once real words follow it
         if committed:
             gen.last_end_s = max(gen.last_end_s, committed[-1].end_s)
+            gen.last_start_s = max(gen.last_start_s, committed[-1].start_s)
             gen.last_words = ([*gen.last_words, *(norm(w.text) for w in committed)])[-8:]
         chars = sum(len(w.text.strip()) for w in committed + tentative)
         if chars and self.pos is not None:
@@ -291,9 +298,11 @@ class SessionManager(RecognizeSession):
         assert old is not None and new is not None and self._switch_at is not None
         await self._close(old)
         self._start_seam(old, new)
-        # A forced switch may pick a pause the old session has already captioned past:
-        # what it published stays, the new session takes over after it.
-        new.accept_from_s = max(self._switch_at, old.last_end_s)
+        # A forced switch may pick a pause the old session had already captioned past
+        # (it published words starting after T before T was chosen): those stay, and
+        # the new session takes over after them. Otherwise the seam is T itself.
+        past = old.last_start_s >= self._switch_at
+        new.accept_from_s = max(self._switch_at, old.last_end_s) if past else self._switch_at
         self._cur, self._next = new, None
         self.counters[f"rollovers_{new.reason}"] += 1
         self.rollover_log.append((new.reason, self._switch_at))
@@ -455,6 +464,8 @@ class SessionManager(RecognizeSession):
             self.counters["gap_fill_s"] += filled / SAMPLE_RATE
 
     async def _on_chunk(self, chunk: AudioChunk) -> None:
+        self._stall.arrival(self._clock())
+        self.gauges["source_silent_s"] = 0.0
         if self.pos is None:
             self.pos = chunk.pos
             self._arrival_pos = chunk.pos
@@ -480,11 +491,16 @@ class SessionManager(RecognizeSession):
     async def _on_tick(self) -> None:
         if self.pos is None:
             return
-        stalled = self._clock() - self._last_arrival
-        if stalled > self.policy.stall_s:
-            # Keep the engine at wall-clock pace, `stall_s` behind: a chunk that is
+        now = self._clock()
+        stalled = now - self._last_arrival
+        threshold = self._stall.threshold_s(now)
+        self.gauges["stall_threshold_s"] = round(threshold, 2)
+        # Seconds fed only filler so far: the room's status says "source lost" while > 0.
+        self.gauges["source_silent_s"] = round(stalled, 1) if stalled > threshold else 0.0
+        if stalled > threshold:
+            # Keep the engine at wall-clock pace, `threshold` behind: a chunk that is
             # merely late by less than that is never overtaken by noise.
-            target = self._arrival_pos + int((stalled - self.policy.stall_s) * SAMPLE_RATE)
+            target = self._arrival_pos + int((stalled - threshold) * SAMPLE_RATE)
             if target > self.pos:
                 if not self._stalled:
                     self._stalled = True

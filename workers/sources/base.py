@@ -1,17 +1,49 @@
 """The source seam: something that yields PCM16 16 kHz mono audio for one stream.
 
 A source yields `bytes` chunks of PCM16 LE mono 16 kHz, each a multiple of 2
-bytes (normally ~100 ms). It paces itself: it never yields audio faster than
-real time (a file is read at wall-clock pace; a live source is paced by its
-sender). It raises `SourceError` when the source fails; the ingest host then
+bytes (normally ~100 ms), and between them, `SourceEvent`s: what a listener or
+an HLS reader knows that audio cannot say (the encoder left, segments were
+skipped, a sender was refused). It paces itself: it never yields audio faster
+than real time (a file is read at wall-clock pace; a live source is paced by
+its sender). It raises `SourceError` when the source fails; the ingest host then
 reconnects with backoff and records the gap. Returning normally means the
-source ended for good (a file played once).
+source ended for good (a file played once, an HLS playlist's `#EXT-X-ENDLIST`).
+
+The ingest host makes one source object per stream and calls `chunks()` again
+after a failure, so a source may keep what it learned across attempts (the
+HLS reader's media sequence, so a segment is never read twice).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal
+
+EventKind = Literal["idle", "gap", "refused"]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceEvent:
+    """Not audio: something the source knows about its audio.
+
+    - `idle`: the source is up and nobody sends (a listener waits for its encoder;
+      an HLS playlist stopped advancing). The audio that follows comes after a hole.
+    - `gap`: the audio that follows is not contiguous with the audio before
+      (HLS segments that were gone before they could be read, a restarted playlist).
+    - `refused`: a sender was turned away (a wrong stream key); nothing it sent is used.
+
+    `reason` is a short fixed word (a metric label: `rtmp-disconnect`, `hls-skipped`,
+    ...); `detail` is for operators and never holds a secret.
+    """
+
+    kind: EventKind
+    reason: str
+    detail: str = ""
+
+
+SourceItem = bytes | SourceEvent
 
 
 class SourceError(RuntimeError):
@@ -28,8 +60,8 @@ class AudioSource(ABC):
     url: str
 
     @abstractmethod
-    def chunks(self) -> AsyncIterator[bytes]:
-        """Yield PCM16 chunks until the source ends; raise SourceError on failure."""
+    def chunks(self) -> AsyncIterator[SourceItem]:
+        """Yield PCM16 chunks (and events) until the source ends; raise SourceError on failure."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release anything the source holds (processes, sockets)."""

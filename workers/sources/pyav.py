@@ -74,8 +74,18 @@ def describe_av_error(exc: BaseException) -> str:
     return str(reason) if reason else type(exc).__name__
 
 
+LIVE_LEAD_S = 1.0
+"""How far ahead of real time a live source may run. What FFmpeg probed at connect
+(`PROBE_OPTIONS`), an encoder's send buffer after a reconnect or a TCP backlog
+arrives at once: released at once, it is no extra latency and no lost speech
+(paced out, it stayed as latency for the whole connection; dropped, as SRT did
+with `-fflags nobuffer`, it was the first ~0.5 s of speech after every
+reconnect). A sender faster than real time still gets no further ahead."""
+
+
 class Pacer:
-    """Holds a source to real time: a chunk is released once the audio before it has played.
+    """Holds a source to real time: a chunk is released once the audio before it has played,
+    less `lead_s` (a live source may run that far ahead: `LIVE_LEAD_S`).
 
     If the consumer falls more than `max_lag_s` behind (a network stall, a slow
     consumer), the schedule is re-based to now instead of bursting the backlog
@@ -89,11 +99,13 @@ class Pacer:
         *,
         rate: int = SAMPLE_RATE,
         max_lag_s: float = 1.0,
+        lead_s: float = 0.0,
     ) -> None:
         self._clock = clock
         self._sleep = sleep
         self._rate = rate
         self._max_lag_s = max_lag_s
+        self._lead_s = lead_s
         self._start: float | None = None
         self._samples = 0
 
@@ -101,10 +113,10 @@ class Pacer:
         """Wait until `samples` more may be yielded, then count them as yielded."""
         now = self._clock()
         if self._start is None:
-            self._start = now
+            self._start = now - self._lead_s
         due = self._start + self._samples / self._rate
-        if now - due > self._max_lag_s:
-            self._start = now - self._samples / self._rate
+        if now - due > self._max_lag_s + self._lead_s:
+            self._start = now - self._lead_s - self._samples / self._rate
         elif due > now:
             await self._sleep(due - now)
         self._samples += samples
@@ -279,7 +291,7 @@ class PyAVSource(AudioSource):
 
     async def chunks(self) -> AsyncIterator[bytes]:
         where = f"source {redact_url(self.url)!r}"
-        pacer = Pacer()
+        pacer = Pacer(lead_s=LIVE_LEAD_S)
         try:
             async for chunk in self._decoder.chunks():
                 await pacer.wait(len(chunk) // 2)

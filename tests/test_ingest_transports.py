@@ -1,0 +1,276 @@
+"""Every ingest path an operator's encoder uses, end to end: real ffmpeg encoders, real
+sockets, the ingest and ASR hosts with the embedded Whisper engine, a real Redis.
+
+- HLS from an encoder that stops cleanly: every sentence captioned once, the
+  source `ended`, and the delay behind the encoder measured.
+- RTMP push: the right stream key is captioned; a wrong one is refused, counted
+  and never captioned.
+- SRT listener with default settings: over a minute of speech with no real audio
+  thrown away, and a WER within one point of a file source of the same speech.
+- An encoder killed for 20 s and restarted, on every transport at once: each
+  room says `source lost` within 5 s and captions again within 5 s of the
+  encoder's return, from its first second of speech.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import statistics
+import time
+import wave
+from pathlib import Path
+from typing import Any
+
+import jiwer
+import numpy as np
+import pytest
+
+from tests.ingest_support import (
+    TRANSPORTS,
+    Encoder,
+    Pipeline,
+    caption_delays,
+    offline_text,
+    pipeline,
+    serve_folder,
+    transport,
+    with_beep,
+)
+from tests.speech import AUDIO, decode_pcm16, normalize
+from workers.bus import audio_key
+from workers.events import SAMPLE_RATE
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="needs Debian ffmpeg")]
+
+ROOM_A = decode_pcm16(AUDIO / "room-a.flac")
+ROOM_B = decode_pcm16(AUDIO / "room-b.flac")
+TEXT_A = normalize((AUDIO / "room-a.txt").read_text())
+TEXT_B = normalize((AUDIO / "room-b.txt").read_text())
+SILENCE_2S = bytes(2 * SAMPLE_RATE * 2)
+
+
+def finals(captions: list[Any]) -> str:
+    return normalize(" ".join(c.text for c in captions if c.is_final))
+
+
+async def until(check: Any, timeout_s: float, what: str, every_s: float = 0.1) -> float:
+    """Poll the async `check` until it is true; returns when (time.time())."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(every_s)
+    return time.time()
+
+
+async def test_hls_that_ends_cleanly_is_captioned_once_and_ends(
+        redis_url: str, tmp_path: Path, record_property: Any) -> None:
+    folder = tmp_path / "www" / "hall"
+    folder.mkdir(parents=True)
+    with serve_folder(folder.parent) as base:
+        hls = transport("hls", folder, base)
+        async with pipeline(redis_url) as run:
+            await run.add("hall", hls.source)
+            encoder = Encoder(hls.output)
+            await encoder.start(with_beep(ROOM_B + SILENCE_2S))
+            assert await encoder.finish() == 0  # ffmpeg writes #EXT-X-ENDLIST
+
+            async def ended() -> bool:
+                return (await run.room("hall"))["state"] == "ended"
+
+            await until(ended, 20, "the room to say ended")
+            await asyncio.sleep(3)  # the last pause closes the last caption
+            captions = await run.captions("hall")
+            offset = await run.beep_offset_s("hall")
+            room = await run.room("hall")
+    assert room["source_state"] == "ended"
+    text = finals(captions)
+    # Captioned once: as many words as were spoken, not the talk again and again.
+    assert len(text.split()) <= len(TEXT_B.split()) + 3, text
+    assert jiwer.wer(TEXT_B, text) <= 0.25, text
+    assert offset is not None
+    delays = caption_delays(captions, encoder, offset)
+    report = {"transport": "hls", "finals": len(delays),
+              "delay_behind_encoder_p50_s": round(statistics.median(delays), 2),
+              "delay_behind_encoder_max_s": round(max(delays), 2)}
+    record_property("hls_delay", json.dumps(report))
+    print(json.dumps(report))
+    # 2 s segments, read from the live edge: was 7.2 s behind with FFmpeg's reader.
+    assert report["delay_behind_encoder_p50_s"] <= 5.0
+
+
+async def test_rtmp_push_with_the_right_key_is_captioned_and_a_wrong_key_is_refused(
+        redis_url: str, tmp_path: Path) -> None:
+    rtmp = transport("rtmp-push", tmp_path)
+    async with pipeline(redis_url) as run:
+        await run.add("obs", rtmp.source, key=rtmp.key)
+
+        async def listening() -> bool:
+            return (await run.room("obs"))["source_state"] == "idle"
+
+        await until(listening, 10, "the listener")
+        wrong = Encoder(tuple(a.replace(rtmp.key, "not-the-key") for a in rtmp.output))
+        await wrong.start(ROOM_A[: 3 * SAMPLE_RATE * 2])
+        assert await wrong.finish() != 0  # refused: ffmpeg says "wrong stream key"
+
+        async def refused() -> bool:
+            return (await run.room("obs"))["source_refused"] == 1
+
+        await until(refused, 5, "the refusal to be counted")
+        assert run.bus is not None
+        assert await run.bus.redis.xlen(audio_key("obs")) == 0
+        assert await run.captions("obs") == []
+
+        right = Encoder(rtmp.output)
+        await right.start(ROOM_B + SILENCE_2S)
+        assert await right.finish() == 0
+
+        async def captioned() -> bool:
+            text = finals(await run.captions("obs"))
+            return "amiable himself" in text
+
+        await until(captioned, 20, "the last sentence")
+        room = await run.room("obs")
+    assert jiwer.wer(TEXT_B, finals(await run.captions("obs"))) <= 0.25
+    assert room["source_refused"] == 1 and room["dropped_audio_s"] == 0.0
+
+
+async def test_srt_listener_with_default_settings_drops_no_audio_and_matches_a_file(
+        redis_url: str, tmp_path: Path, record_property: Any) -> None:
+    """The WER that must be within one point of a file's is that of what the engine
+    was fed, decoded by the same Whisper model in one offline pass: the live captions'
+    WER moves by about ±2 points between two runs of the same audio through the same
+    engine (its decode steps follow arrival timing; measured here: file 0.059 vs SRT
+    0.036 in one run, 0.059 vs 0.071 in another), which would hide what the transport
+    does. The live WERs are reported beside it and checked against the bound the
+    pipeline test uses."""
+    talk = ROOM_A + ROOM_B + ROOM_A + ROOM_B + ROOM_B  # 68 s of speech
+    reference = " ".join([TEXT_A, TEXT_B, TEXT_A, TEXT_B, TEXT_B])
+    pcm = with_beep(talk) + SILENCE_2S
+    wav = tmp_path / "talk.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SAMPLE_RATE)
+        w.writeframes(pcm)
+    srt = transport("srt-listener", tmp_path)
+    async with pipeline(redis_url, model="whisper-base") as run:
+        await run.add("srt", srt.source, key=srt.key)
+        await asyncio.sleep(1.0)  # the listener's ffmpeg binds its port
+        encoder = Encoder(srt.output)
+        await run.add("file", str(wav))  # the same speech, at the same time, from a file
+        await encoder.start(pcm)
+        assert await encoder.finish(timeout_s=120) == 0
+        await asyncio.sleep(4)  # the last captions close
+        srt_room = await run.room("srt")
+        live = {s: float(jiwer.wer(reference, finals(await run.captions(s))))
+                for s in ("srt", "file")}
+        assert run.bus is not None and run.engine is not None
+        entries = await run.bus.redis.xrange(audio_key("srt"))
+        fed = {s: run.engine.audio(s) for s in ("srt", "file")}
+    offline = {s: float(jiwer.wer(reference, normalize(offline_text(fed[s]))))
+               for s in ("srt", "file")}
+    report = {"offline_wer": offline, "live_wer": live,
+              "fed_s": {s: round(len(a) / 2 / SAMPLE_RATE, 2) for s, a in fed.items()},
+              **{k: srt_room[k] for k in ("stalls", "filler_s", "dropped_audio_s",
+                                          "stall_threshold_s")}}
+    record_property("srt_listener", json.dumps(report))
+    print(json.dumps(report))
+    assert srt_room["dropped_audio_s"] == 0.0
+    # Ingest kept the audio contiguous: no hole invented inside the talk.
+    gaps = [f for _, f in entries if f[b"k"] != b"pcm"]
+    assert len(gaps) <= 1, gaps  # at most the connect itself
+    assert abs(offline["srt"] - offline["file"]) <= 0.01, report
+    assert live["srt"] <= 0.10 and live["file"] <= 0.10, report
+
+
+async def test_an_encoder_killed_for_20_s_is_shown_lost_and_captioned_again_on_every_transport(
+        redis_url: str, tmp_path: Path) -> None:
+    www = tmp_path / "www"
+    www.mkdir()
+    with serve_folder(www) as base:
+        paths = {}
+        for name in TRANSPORTS:
+            folder = www / name
+            folder.mkdir()
+            paths[name] = transport(name, folder, base)
+        async with pipeline(redis_url) as run:
+            for name, t in paths.items():
+                await run.add(name, t.source, key=t.key)
+            await asyncio.sleep(1.0)  # listeners bind
+            encoders = {name: Encoder(t.output) for name, t in paths.items()}
+            for enc in encoders.values():
+                await enc.start(ROOM_A + ROOM_A)  # longer than it will get to play
+            results = await asyncio.gather(*(
+                outage(run, name, encoders[name]) for name in TRANSPORTS))
+    report = dict(zip(TRANSPORTS, results, strict=True))
+    print(json.dumps(report))
+    for name, r in report.items():
+        assert r["lost_after_s"] <= 5.0, (name, report)
+        assert r["captions_after_s"] <= 5.0, (name, report)
+        assert r["first_audio_from_s"] <= 0.3, (name, report)
+
+
+async def outage(run: Pipeline, name: str, encoder: Encoder) -> dict[str, float]:
+    async def captioning() -> bool:
+        return (await run.room(name))["state"] == "captioning"
+
+    await until(captioning, 30, f"{name}: captions before the outage")
+    await asyncio.sleep(3)
+    killed = await encoder.kill()
+
+    async def lost() -> bool:
+        return (await run.room(name))["state"] == "source lost"
+
+    lost_at = await until(lost, 15, f"{name}: the room to say source lost")
+    await asyncio.sleep(20 - (time.time() - killed))
+    assert run.bus is not None
+    before = (await run.bus.redis.xrevrange(audio_key(name), count=1))[0][0]
+    seen = {c.seq for c in await run.captions(name)}
+    await encoder.start(ROOM_B + SILENCE_2S)
+    back = encoder.started_at
+
+    async def captioned_again() -> bool:
+        new = [c for c in await run.captions(name) if c.seq not in seen and c.text]
+        return any(set(normalize(c.text).split()) & set(TEXT_B.split()) for c in new)
+
+    again_at = await until(captioned_again, 20, f"{name}: captions after the return")
+
+    async def heard() -> list[dict[bytes, bytes]]:
+        """The audio entries written since the encoder came back."""
+        assert run.bus is not None
+        return [f for i, f in await run.bus.redis.xrange(audio_key(name), min=before)
+                if f[b"k"] == b"pcm" and i != before]
+
+    async def enough() -> bool:  # 2 s after the return: what where_in() compares
+        return sum(len(f[b"pcm"]) for f in await heard()) >= 2 * SAMPLE_RATE * 2
+
+    await until(enough, 10, f"{name}: 2 s of audio after the return")
+    # Stop talking once the point is made: the rooms that come back later (HLS is ~2 s
+    # behind) share the one decode thread with fewer talking rooms, as in an event
+    # where rooms do not all return at once.
+    await encoder.kill()
+    after = await heard()
+    pcm = b"".join(f[b"pcm"] for f in after)[: 2 * SAMPLE_RATE * 2]
+    # When the first audio after the return reached Redis (a chunk's wall is the
+    # capture time of its end): the transport's part of captions_after_s.
+    first = float(after[0][b"wall"]) - len(after[0][b"pcm"]) / 2 / SAMPLE_RATE
+    return {"lost_after_s": round(lost_at - killed, 2),
+            "audio_after_s": round(first - back, 2),
+            "captions_after_s": round(again_at - back, 2),
+            "first_audio_from_s": round(where_in(pcm, ROOM_B), 2)}
+
+
+def where_in(pcm: bytes, spoken: bytes) -> float:
+    """Where in `spoken` the audio `pcm` starts (s), by cross-correlation: how much of the
+    start of what the encoder was fed after its return never reached the stream. A
+    second from 0.5 s into `pcm` is looked for, so an early start (AAC's priming adds
+    ~64 ms in front) reads as a small negative number instead of a false match."""
+    skip = SAMPLE_RATE // 2
+    probe = np.frombuffer(pcm, dtype="<i2").astype(np.float64)[skip : skip + SAMPLE_RATE]
+    ref = np.frombuffer(spoken, dtype="<i2").astype(np.float64)[: 4 * SAMPLE_RATE]
+    corr = np.correlate(ref, probe, mode="valid")
+    return float(np.argmax(corr) - skip) / SAMPLE_RATE

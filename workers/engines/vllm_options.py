@@ -1,0 +1,158 @@
+"""The `vllm` engine's options and arithmetic, without vLLM: options → `AsyncEngineArgs`,
+the positions a session uses besides its audio (from the model's tekken.json), session
+budgets and slots, and which vLLM versions get the re-anchoring plugin."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from workers.engines.base import EngineCapabilities, EngineError
+from workers.events import SAMPLE_RATE
+
+FRAME = 1280  # samples per decoder token (80 ms at 16 kHz)
+FRAME_S = FRAME / SAMPLE_RATE
+TOKENS_PER_STREAM = 400  # one encoder chunk is ~350-400 tokens; never split it
+AHEAD_FRAMES = 2
+"""Audio handed to the model's buffer beyond what its next prompt needs."""
+SLACK_POSITIONS = 16
+"""Positions kept free below max_model_len: a switch lands up to one chunk late."""
+REANCHOR_TESTED = ("0.26.",)
+"""vLLM versions the re-anchoring plugin was run on (the H200); "auto" uses it only there."""
+SCHEDULER_CLS = "workers.engines.vllm_reanchor.scheduler.ReanchorAsyncScheduler"
+WORKER_CLS = "workers.engines.vllm_reanchor.worker.ReanchorWorker"
+REANCHOR_ARG = "babelcast_reanchor_every"
+STATS_EVERY_S = 2.0
+
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngineOptions:
+    model: str
+    """Model folder (params.json + tekken.json [+ consolidated weights])."""
+    max_streams: int = 16
+    max_model_len: int = 131072
+    gpu_memory_utilization: float = 0.90
+    load_format: str = "mistral"
+    """"mistral" for real weights, "dummy" for random weights (benchmarks)."""
+    dtype: str = "bfloat16"
+    enforce_eager: bool = False
+    cudagraph_mode: str = "PIECEWISE"
+    max_num_batched_tokens: int | None = None
+    attention_backend: str | None = "FLASH_ATTN"
+    reanchor: Literal["auto", "on", "off"] = "auto"
+    """auto: on where tested (vLLM 0.26.x) and the engine's probe agrees; on: wherever
+    the probe agrees; off: warm rollovers only."""
+    reanchor_every: int = 4096
+    """Positions between a session's re-anchors. Each one re-rotates every live key once
+    (one bf16 rounding); between them the token history grows by this much."""
+    rollover_headroom: int | None = None
+    """Sessions beyond max_streams (warm rollovers, rut restarts); None: a quarter, ≥ 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamGeometry:
+    """Positions a session uses besides its audio frames, from the model's tekken.json."""
+
+    delay_s: float
+    left_pad: int  # positions of silence before the audio
+    right_pad: int  # positions after the audio (delay + BOS + a long word's buffer)
+
+    @property
+    def first_frames(self) -> int:
+        """Real audio frames the first prompt needs (1 + the delay's frames)."""
+        return 1 + round(self.delay_s / FRAME_S)
+
+    @classmethod
+    def from_tekken(cls, tekken: dict[str, Any]) -> StreamGeometry:
+        audio = tekken.get("audio") or {}
+        delay_ms = audio.get("transcription_delay_ms")
+        if not isinstance(delay_ms, (int, float)) or delay_ms <= 0:
+            raise EngineError("tekken.json has no audio.transcription_delay_ms: not a "
+                              "Voxtral Realtime model folder", retryable=False)
+        delay_tokens = math.ceil(delay_ms / (FRAME_S * 1000))
+        left = int(audio.get("streaming_n_left_pad_tokens") or 0)
+        # mistral_common: right pad = delay tokens + BOS + 10 tokens for a long word.
+        return cls(delay_s=delay_ms / 1000, left_pad=left, right_pad=delay_tokens + 1 + 10)
+
+
+DEFAULT_GEOMETRY = StreamGeometry(delay_s=0.48, left_pad=32, right_pad=17)
+
+
+def read_geometry(model: str) -> StreamGeometry:
+    """The delay and padding of the model in `model` (its tekken.json)."""
+    path = Path(model) / "tekken.json"
+    try:
+        tekken = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"{path}: not found (a Voxtral model folder has params.json and "
+                          "tekken.json)", retryable=False) from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path}: unreadable ({exc})", retryable=False) from exc
+    return StreamGeometry.from_tekken(tekken)
+
+
+def headroom(o: VllmEngineOptions) -> int:
+    if o.rollover_headroom is not None:
+        return max(0, o.rollover_headroom)
+    return max(1, math.ceil(o.max_streams / 4))
+
+
+def max_session_s(o: VllmEngineOptions, g: StreamGeometry) -> float:
+    """Audio one session may take before its positions reach max_model_len: the
+    padding positions and some slack count against the cap too."""
+    return max(0, o.max_model_len - g.left_pad - g.right_pad - SLACK_POSITIONS) * FRAME_S
+
+
+def wants_reanchor(o: VllmEngineOptions, version: str, available: set[str]) -> bool:
+    if o.reanchor == "off" or not {"scheduler_cls", "worker_cls"} <= available:
+        return False
+    return o.reanchor == "on" or version.startswith(REANCHOR_TESTED)
+
+
+def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
+                  reanchor: bool = False) -> dict[str, Any]:
+    """`AsyncEngineArgs` keyword arguments for these options, given the field names
+    the installed vLLM has (capability detection: newer flags only where present)."""
+    seqs = o.max_streams + headroom(o)
+    kwargs: dict[str, Any] = {
+        "model": o.model,
+        "tokenizer_mode": "mistral",
+        "config_format": "mistral",
+        "load_format": o.load_format,
+        "dtype": o.dtype,
+        "max_model_len": o.max_model_len,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": max(o.max_num_batched_tokens or 0,
+                                      TOKENS_PER_STREAM * seqs, 2048),
+        "gpu_memory_utilization": o.gpu_memory_utilization,
+        "enforce_eager": o.enforce_eager,
+        "enable_prefix_caching": False,  # realtime sessions share no prefix worth caching
+        "limit_mm_per_prompt": {"audio": 1},
+    }
+    if not o.enforce_eager:
+        kwargs["compilation_config"] = {"cudagraph_mode": o.cudagraph_mode}
+    if o.attention_backend and "attention_backend" in available:
+        kwargs["attention_backend"] = o.attention_backend
+    if reanchor:
+        kwargs["scheduler_cls"] = SCHEDULER_CLS
+        kwargs["worker_cls"] = WORKER_CLS
+        # The plugin's scheduler is an AsyncScheduler: say so rather than let vLLM guess.
+        kwargs["async_scheduling"] = True
+    # Not used even where present: vLLM forks' `enable_realtime_unbounded` and
+    # `realtime_blank_run_k` need per-request wiring (`unbounded=True` in the audio
+    # buffer, the blank penalty in SamplingParams.extra_args) that no stock vLLM has
+    # and that was never run here, so this engine does not claim them.
+    return {k: v for k, v in kwargs.items() if k in available}
+
+
+def capabilities_for(o: VllmEngineOptions, g: StreamGeometry, reanchoring: bool
+                     ) -> EngineCapabilities:
+    if reanchoring:
+        return EngineCapabilities(max_session_s=None, reanchors_natively=True, multilingual=True)
+    # Positions are capped by max_model_len; the session manager rolls over before it.
+    return EngineCapabilities(max_session_s=max_session_s(o, g), reanchors_natively=False,
+                              multilingual=True)

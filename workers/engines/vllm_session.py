@@ -1,0 +1,146 @@
+"""One Voxtral session on the `vllm` engine: audio to the model's realtime buffer at the
+model's pace, each output's tokens fed back, text stamped by output index (see
+`vllm_voxtral` for why)."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from workers.engines.base import END, EngineError, RecognizeSession, SessionInput, SessionOptions
+from workers.engines.vllm_options import AHEAD_FRAMES, FRAME, FRAME_S, SLACK_POSITIONS
+from workers.events import SAMPLE_RATE, AudioChunk, TranscriptDelta, Word
+
+if TYPE_CHECKING:
+    from workers.engines.vllm_voxtral import VllmVoxtralEngine
+
+log = logging.getLogger(__name__)
+
+
+class FrameMap:
+    """Model audio offsets (samples fed to this session) → stream sample positions.
+    Contiguous input maps linearly; a chunk dropped by the bounded input queue leaves a
+    jump, kept as a breakpoint so later stamps stay right."""
+
+    def __init__(self) -> None:
+        self._model: list[int] = []
+        self._stream: list[int] = []
+        self._next_stream: int | None = None
+
+    def fed(self, chunk: AudioChunk, model_offset: int) -> None:
+        if chunk.pos != self._next_stream:
+            self._model.append(model_offset)
+            self._stream.append(chunk.pos)
+        self._next_stream = chunk.pos + chunk.samples
+
+    def stream_pos(self, model_offset: int) -> int:
+        if not self._model:
+            return model_offset
+        i = max(0, bisect.bisect_right(self._model, model_offset) - 1)
+        if i > 64:  # forget breakpoints that no later output can fall before
+            del self._model[: i - 1], self._stream[: i - 1]
+            i = 1
+        return self._stream[i] + model_offset - self._model[i]
+
+
+class VllmVoxtralSession(RecognizeSession):
+    def __init__(self, engine: VllmVoxtralEngine, options: SessionOptions) -> None:
+        super().__init__(options)
+        self.engine = engine
+        self.request_id = f"bc-{options.stream_id}-{uuid.uuid4().hex[:12]}"
+        self.outputs = 0  # engine steps seen (≈ frames decoded)
+        self.fed_samples = 0  # audio handed to the model's buffer
+        self._frames = FrameMap()
+        self._last_end = 0.0
+
+    def _allowance(self) -> int:
+        """Samples the model's buffer may hold: its next prompt plus a few frames."""
+        g = self.engine.geometry
+        return (g.first_frames + self.outputs + AHEAD_FRAMES) * FRAME
+
+    def _positions(self) -> int:
+        """Positions this request holds in vLLM (before any re-anchor)."""
+        g = self.engine.geometry
+        return g.left_pad + g.first_frames + self.outputs
+
+    def _must_stop(self) -> bool:
+        """True when the next frames would pass max_model_len: re-anchoring fell behind
+        (or is off and the manager's budget did not end the session in time)."""
+        e = self.engine
+        used = self._positions() - e.shifted(self.request_id) + AHEAD_FRAMES
+        return used + e.geometry.right_pad + SLACK_POSITIONS >= e.options.max_model_len
+
+    def _word(self, text: str, k: int) -> Word:
+        end = self._frames.stream_pos((k + 1) * FRAME) / SAMPLE_RATE
+        end = max(end, self._last_end)
+        start = self._last_end if self._last_end else max(0.0, end - FRAME_S)
+        self._last_end = end
+        return Word(text, start, end)
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        engine = self.engine
+        backend = engine.backend
+        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+        wanted = asyncio.Event()
+        wanted.set()
+        ended = False
+
+        async def audio() -> AsyncIterator[np.ndarray]:
+            # At the model's pace: a backlog waits in `inputs` (bounded, oldest dropped
+            # and counted), not in the model buffer's unbounded queue.
+            nonlocal ended
+            while True:
+                while self.fed_samples >= self._allowance():
+                    wanted.clear()
+                    await wanted.wait()
+                if self._must_stop():
+                    engine.overruns += 1
+                    log.warning("stream %s: session ends before max_model_len",
+                                self.options.stream_id)
+                    return  # right padding, then the request ends; the manager goes on
+                item = await inputs.get()
+                if item is END:
+                    ended = True
+                    return  # the buffer adds right padding, then the request ends
+                if isinstance(item, AudioChunk):
+                    self._frames.fed(item, self.fed_samples)
+                    self.fed_samples += item.samples
+                    yield np.frombuffer(item.pcm, dtype="<i2").astype(np.float32) / 32768.0
+
+        finished = False
+        every = engine.options.reanchor_every if engine.reanchoring else None
+        try:
+            async for out in backend.generate(backend.prompts(audio(), tokens),
+                                              self.request_id, every):
+                if not out.outputs:
+                    continue
+                o = out.outputs[0]
+                k = self.outputs
+                self.outputs += 1
+                wanted.set()
+                tokens.put_nowait(list(o.token_ids))  # fed back: the next step's context
+                if o.text:
+                    self._out.put_nowait(TranscriptDelta(committed=(self._word(o.text, k),)))
+            # Either our END flushed it, or the engine ended the session on its own
+            # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
+            finished = True
+            if not ended:
+                log.info("stream %s: engine ended the session", self.options.stream_id)
+        except Exception as exc:
+            if backend.errored:
+                raise EngineError("vllm engine core is dead", retryable=False) from exc
+            raise
+        finally:
+            if not finished:
+                # Cancelled or failed: cancelling alone would leave the request holding
+                # a slot in the engine.
+                engine.aborts += 1
+                with contextlib.suppress(Exception):
+                    await backend.abort(self.request_id)
