@@ -62,6 +62,7 @@ import logging
 import multiprocessing
 import os
 import resource
+import secrets
 import signal
 import statistics
 import sys
@@ -145,7 +146,7 @@ def _raise_nofile(need: int) -> None:
 
 
 def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int, loop: str,
-                  conn: Connection) -> None:
+                  conn: Connection, admin_token: str) -> None:
     """The gateway as `babelcast run` builds it (orchestrator/run.py), alone in its process,
     on plain asyncio as there (or uvloop, to see what it would change). Beside it, two
     diagnostics that report after it stops: the cyclic GC's pauses and the event loop's
@@ -154,14 +155,23 @@ def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int
 
     import uvicorn
 
+    from orchestrator.gateway.access import GatewaySecurity
     from orchestrator.gateway.app import GatewayStream, create_app
+    from orchestrator.gateway.auth import Authenticator, GatewaySecrets
+    from orchestrator.gateway.security_config import LimitsConfig
     from workers.events import StreamOptions
 
     _raise_nofile(clients)
+    # Delivery, not admission, is measured: captions are public (`auth.viewers: public`,
+    # still a check per connection) and every client comes from 127.0.0.1.
+    limits = LimitsConfig(max_ws_per_ip=clients + 16, max_viewers_per_stream=clients + 16,
+                          max_connections=2 * clients + 64)
+    security = GatewaySecurity(Authenticator(GatewaySecrets(admin=admin_token),
+                                             viewers_public=True), (), limits)
     streams = [GatewayStream(StreamOptions(stream_id=s, name=s, source="scripted",
                                            language=LANG), "scripted") for s in stream_ids]
     logging.basicConfig(level=logging.WARNING)  # as `babelcast` does: the hub's warnings show
-    app = create_app(redis_url, streams, "bench delivery", ())
+    app = create_app(redis_url, streams, "bench delivery", (), security=security)
     # Served as `babelcast run` serves it: its uvicorn config and process settings, where
     # orchestrator/run.py has them as functions; else what run_event builds inline.
     try:
@@ -170,7 +180,7 @@ def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                 lifespan="on")
     else:
-        config = gateway_config(app, "127.0.0.1", port)
+        config = gateway_config(app, "127.0.0.1", port, limits)
     with contextlib.suppress(ImportError):
         from orchestrator.run import tune_gc  # type: ignore[attr-defined,unused-ignore]
 
@@ -534,6 +544,7 @@ def run_once(prm: Params) -> dict[str, Any]:
     redis_server = LocalRedisServer()
     redis_url = redis_server.start()
     redis_pid = redis_server._proc.pid if redis_server._proc else 0
+    admin_token = secrets.token_urlsafe(32)  # /metrics needs the admin token
     profiler: subprocess.Popen[bytes] | None = None
     try:
         with _processes() as procs:
@@ -542,12 +553,13 @@ def run_once(prm: Params) -> dict[str, Any]:
             gw_conn, gw_theirs = ctx.Pipe()
             gateway = ctx.Process(target=_gateway_main, name="gateway",
                                   args=(redis_url, stream_ids, port, prm.clients,
-                                        prm.gateway_loop, gw_theirs))
+                                        prm.gateway_loop, gw_theirs, admin_token))
             gateway.start()
             gw_theirs.close()
             procs.append(gateway)
             deadline = time.monotonic() + 60
-            with httpx.Client(base_url=base) as http:
+            with httpx.Client(base_url=base,
+                              headers={"Authorization": f"Bearer {admin_token}"}) as http:
                 while True:
                     try:
                         if http.get("/healthz", timeout=1).status_code == 200:
@@ -616,7 +628,8 @@ def run_once(prm: Params) -> dict[str, Any]:
                 c.send((prm.drain_s, prm.drain_max_s))
             got = [c.recv() for c in client_conns]
             drained = time.time() - load_end
-            with httpx.Client(base_url=base) as http:
+            with httpx.Client(base_url=base,
+                              headers={"Authorization": f"Bearer {admin_token}"}) as http:
                 drops_after = _read_counter(http.get("/metrics").text, SLOW_DROPS_METRIC)
             probed = probe_conn.recv()
             stopping = time.monotonic()

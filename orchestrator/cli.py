@@ -4,7 +4,11 @@
     babelcast run FILE [--duration S] [--plain]
     babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
     babelcast status [--url http://127.0.0.1:8000] [--json] [--watch S]
-    babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--redis URL]
+    babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--url URL | --redis URL]
+    babelcast token FILE|--url URL [--stream S]... [--lang xx]... [--ttl S] [--sub NAME]
+
+tail, status, export --url and token --url send `--token`, else $BABELCAST_TOKEN, else (a
+gateway on this machine run without an `auth` section) the run's own tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import logging
 import os
 import sys
 from typing import Any
+from urllib.parse import quote
 
 from orchestrator.config import ConfigError, EventConfig, load_event
 
@@ -59,10 +64,16 @@ _GATEWAY_STOPPED = (1001, 1012)
 
 
 async def _tail(url: str, stream: str, lang: str | None, since: int | None, finals: bool,
-                as_json: bool, limit: int | None, give_up_s: float = 30.0) -> int:
+                as_json: bool, limit: int | None, token: str | None = None,
+                give_up_s: float = 30.0) -> int:
     import time
 
     import websockets
+
+    from orchestrator.gateway.local_credentials import token_for
+
+    token = token_for(url, "viewer", token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     ws_url = url.replace("http://", "ws://").replace("https://", "wss://").rstrip("/")
     query = []
@@ -76,7 +87,7 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
     reached = time.monotonic()  # the last time the gateway answered (or the start)
     while True:
         try:
-            async with websockets.connect(target) as ws:
+            async with websockets.connect(target, additional_headers=headers) as ws:
                 backoff = 0.5
                 reached = time.monotonic()
                 async for raw in ws:
@@ -101,8 +112,16 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
                     shown += 1
                     if limit is not None and shown >= limit:
                         return 0
+        except websockets.InvalidStatus as exc:
+            print(f"error: the gateway refused the connection "
+                  f"({exc.response.status_code})", file=sys.stderr)
+            return 1
         except websockets.ConnectionClosed as exc:
             code = exc.rcvd.code if exc.rcvd is not None else None
+            if code in (4401, 4403):
+                print(f"error: {exc.rcvd.reason or 'not allowed'} ({code}); pass "  # type: ignore[union-attr]
+                      "--token or set $BABELCAST_TOKEN", file=sys.stderr)
+                return 1
             if code in _GATEWAY_STOPPED:
                 print(f"babelcast tail: the event has ended (the gateway at {url} shut down)",
                       file=sys.stderr)
@@ -126,18 +145,21 @@ def cmd_tail(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(
             _tail(args.url, args.stream, args.lang, args.since, args.finals, args.json,
-                  args.limit, args.give_up)
+                  args.limit, args.token, args.give_up)
         )
     return 0
 
 
-def _status_once(url: str, as_json: bool, clear: bool) -> int:
+def _status_once(url: str, as_json: bool, clear: bool, token: str | None = None) -> int:
     import httpx
 
+    from orchestrator.gateway.local_credentials import token_for
     from orchestrator.status import render
 
+    token = token_for(url, "admin", token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(f"{url}/v1/status", timeout=10)
+        resp = httpx.get(f"{url}/v1/status", timeout=10, headers=headers)
     except httpx.HTTPError as exc:
         print(f"babelcast status: cannot reach the gateway at {url} ({type(exc).__name__}); "
               "is `babelcast run` running there? set --url or $BABELCAST_URL", file=sys.stderr)
@@ -160,10 +182,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     url = args.url.rstrip("/")
     if not args.watch:
-        return _status_once(url, args.json, clear=False)
+        return _status_once(url, args.json, clear=False, token=args.token)
     with contextlib.suppress(KeyboardInterrupt):
         while True:
-            _status_once(url, args.json, clear=not args.json)
+            _status_once(url, args.json, clear=not args.json, token=args.token)
             time.sleep(args.watch)
     return 0
 
@@ -181,8 +203,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         suffix = out.suffix.lstrip(".").lower() if out else ""
         fmt = suffix if suffix in FORMATS else "vtt"
     try:
-        text, lang, finals = asyncio.run(export_captions(
-            args.redis, args.stream, args.lang, fmt, get_profile(args.profile)))
+        if args.url and not args.redis:
+            text, lang, finals = _export_via_gateway(args.url, args.stream, args.lang, fmt,
+                                                     args.profile, args.token)
+        else:
+            redis = args.redis or os.environ.get("BABELCAST_REDIS_URL",
+                                                 "redis://127.0.0.1:6379/0")
+            text, lang, finals = asyncio.run(export_captions(
+                redis, args.stream, args.lang, fmt, get_profile(args.profile)))
     except ExportError as exc:
         print(f"babelcast export: {exc}", file=sys.stderr)
         return 2
@@ -196,6 +224,93 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"babelcast export: cannot write {out}: {exc.strerror}", file=sys.stderr)
         return 2
     print(f"{out}: {finals} captions of {args.stream} in {lang!r} ({fmt})", file=sys.stderr)
+    return 0
+
+
+def _export_via_gateway(url: str, stream: str, lang: str | None, fmt: str, profile: str,
+                        token: str | None) -> tuple[str, str, int]:
+    """(file text, language, finals) from the gateway's transcript endpoint."""
+    import httpx
+
+    from orchestrator.gateway.local_credentials import token_for
+    from orchestrator.outputs.export import ExportError
+
+    url = url.rstrip("/")
+    token = token_for(url, "viewer", token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    params = {"profile": profile} | ({"lang": lang} if lang else {})
+    try:
+        resp = httpx.get(f"{url}/v1/streams/{quote(stream, safe='')}/transcript.{fmt}",
+                         params=params, headers=headers, timeout=60)
+    except httpx.HTTPError as exc:
+        raise ExportError(f"cannot reach the gateway at {url} ({type(exc).__name__}); is "
+                          "`babelcast run` running there? set --url or $BABELCAST_URL"
+                          ) from None
+    if resp.status_code != 200:
+        try:
+            detail = str(resp.json().get("detail", ""))
+        except ValueError:
+            detail = resp.text[:200]
+        hint = ("; pass --token (a viewer token for this stream and language, or the admin "
+                "token) or set $BABELCAST_TOKEN" if resp.status_code in (401, 403) else "")
+        raise ExportError(f"{url} answered {resp.status_code}: {detail}{hint}")
+    return (resp.text, resp.headers.get("content-language", lang or "?"),
+            int(resp.headers.get("x-babelcast-finals", "0")))
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """A viewer token: signed here with the key the event file names, or minted by a
+    running gateway (`--url`, with the admin token)."""
+    from orchestrator.gateway.auth import SecretsError, mint_viewer_token
+
+    ttl = args.ttl
+    if args.url:
+        import httpx
+
+        from orchestrator.gateway.local_credentials import token_for
+
+        admin = token_for(args.url, "admin", args.token)
+        if not admin:
+            print("babelcast token: --url needs the admin token (--token or "
+                  "$BABELCAST_TOKEN)", file=sys.stderr)
+            return 2
+        body: dict[str, Any] = {"streams": args.stream or None, "langs": args.lang or None,
+                                "sub": args.sub, "ttl_s": int(ttl) if ttl else None}
+        try:
+            resp = httpx.post(f"{args.url.rstrip('/')}/v1/tokens", json=body, timeout=10,
+                              headers={"Authorization": f"Bearer {admin}"})
+        except httpx.HTTPError as exc:
+            print(f"babelcast token: cannot reach {args.url} ({type(exc).__name__})",
+                  file=sys.stderr)
+            return 2
+        if resp.status_code != 200:
+            print(f"babelcast token: {resp.status_code}: {resp.text[:300]}", file=sys.stderr)
+            return 2
+        print(resp.json()["token"])
+        return 0
+    if not args.file:
+        print("babelcast token: give the event FILE (signs here) or --url", file=sys.stderr)
+        return 2
+    cfg = _load_or_exit(args.file)
+    auth = cfg.auth
+    if auth is None or auth.signing_key_env is None:
+        print("babelcast token: the event file has no auth.signing_key_env; for a run "
+              "without an auth section use --url (on this machine)", file=sys.stderr)
+        return 2
+    key = os.environ.get(auth.signing_key_env, "").strip().encode()
+    known = {s.id for s in cfg.streams}
+    unknown = sorted(set(args.stream or ()) - known)
+    if unknown:
+        print(f"babelcast token: no stream(s) {', '.join(unknown)} in {args.file}",
+              file=sys.stderr)
+        return 2
+    try:
+        print(mint_viewer_token(key or None, streams=args.stream or None,
+                                langs=args.lang or None, ttl_s=ttl or auth.viewer_ttl_s,
+                                subject=args.sub))
+    except (SecretsError, ValueError) as exc:
+        print(f"babelcast token: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -220,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--finals", action="store_true", help="only finished captions")
     t.add_argument("--json", action="store_true", help="one JSON message per line")
     t.add_argument("--limit", type=int, default=None, help="exit after N captions")
+    t.add_argument("--token", default=None, help="a viewer (or admin) token")
     t.add_argument("--give-up", type=float, default=30.0, metavar="S",
                    help="exit when no gateway answers for S seconds (default 30)")
     t.set_defaults(func=cmd_tail)
@@ -229,20 +345,42 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="the gateway's /v1/status JSON")
     st.add_argument("--watch", type=float, default=None, metavar="S",
                     help="refresh every S seconds until Ctrl-C")
+    st.add_argument("--token", default=None, help="the admin token")
     st.set_defaults(func=cmd_status)
-    e = sub.add_parser("export", help="write a stream's finals from Redis as WebVTT or SRT")
+    e = sub.add_parser("export", help="write a stream's finals as WebVTT or SRT (from the "
+                       "gateway, or straight from Redis)")
     e.add_argument("stream")
     e.add_argument("--lang", default=None,
-                   help="caption language (default: the only one the stream has)")
+                   help="caption language (default: --url: the stream's own; --redis: the "
+                        "only one it has)")
     e.add_argument("--format", choices=("vtt", "srt"), default=None,
                    help="default: from the -o file's extension, else vtt")
     e.add_argument("-o", "--output", default=None, help="file to write (default: stdout)")
     e.add_argument("--profile", choices=("web", "cea608", "youtube"), default="web",
                    help="line-breaking profile of the cues")
-    e.add_argument("--redis", default=os.environ.get("BABELCAST_REDIS_URL",
-                                                     "redis://127.0.0.1:6379/0"),
-                   help="the event's Redis (default: $BABELCAST_REDIS_URL or local 6379)")
+    where = e.add_mutually_exclusive_group()
+    where.add_argument("--url", default=os.environ.get("BABELCAST_URL"),
+                       help="the event's gateway (default: $BABELCAST_URL); needs a viewer "
+                            "token of the stream or the admin token (--token)")
+    where.add_argument("--redis", default=None,
+                       help="read the event's Redis instead (default when no --url: "
+                            "$BABELCAST_REDIS_URL or local 6379)")
+    e.add_argument("--token", default=None, help="with --url: a viewer or the admin token")
     e.set_defaults(func=cmd_export)
+    k = sub.add_parser("token", help="mint a viewer token (for OBS overlay URLs, HLS, tail)")
+    k.add_argument("file", nargs="?", default=None,
+                   help="the event file: sign here with its auth.signing_key_env")
+    k.add_argument("--url", default=None,
+                   help="instead: ask this running gateway (needs the admin token)")
+    k.add_argument("--token", default=None, help="with --url: the admin token")
+    k.add_argument("--stream", action="append", help="a stream it may read (repeat; "
+                   "default: all)")
+    k.add_argument("--lang", action="append", help="a language it may read (repeat; "
+                   "default: all)")
+    k.add_argument("--ttl", type=float, default=None, metavar="S",
+                   help="lifetime in seconds (default: auth.viewer_ttl_s)")
+    k.add_argument("--sub", default="viewer", help="who it is for (the JWT's sub)")
+    k.set_defaults(func=cmd_token)
     return p
 
 

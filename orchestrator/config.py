@@ -28,6 +28,12 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from orchestrator.gateway.security_config import (
+    AuthConfig,
+    LimitsConfig,
+    auth_problems,
+    origin_problems,
+)
 from orchestrator.outputs.config import OutputsConfig, outputs_problems
 from orchestrator.source_config import listen_port_problems, resolve_file, source_problems
 from translation.backends import KINDS as TRANSLATION_KINDS
@@ -79,6 +85,26 @@ class _Strict(BaseModel):
 
 class RedisConfig(_Strict):
     url: str | None = Field(default=None, description="Redis URL; null: start a local redis")
+    data_dir: str | None = Field(
+        default=None,
+        description="local redis-server only: folder of its append-only file (relative to "
+                    "the event file); null: .babelcast/redis beside the event file")
+    _resolved_data_dir: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _data_dir(self, info: ValidationInfo) -> Self:
+        if self.url is not None and self.data_dir is not None:
+            _raise_at("RedisConfig", [(("data_dir",), "only for the local redis-server; "
+                                       "remove it or remove redis.url", self.data_dir)])
+        base = Path((info.context or {}).get("base_dir") or Path.cwd())
+        path = Path(self.data_dir or ".babelcast/redis").expanduser()
+        self._resolved_data_dir = str(path if path.is_absolute() else base / path)
+        return self
+
+    @property
+    def resolved_data_dir(self) -> str:
+        """Absolute folder for the local redis-server's AOF files."""
+        return self._resolved_data_dir
 
     @field_validator("url")
     @classmethod
@@ -192,6 +218,10 @@ class EngineConfig(_Strict):
         default=None, description="realtime-ws: ws(s):// URL of the /v1/realtime endpoint")
     delay_s: float = Field(default=0.48, ge=0,
                            description="realtime-ws: how far the server's text lags its audio")
+    token_env: str | None = Field(
+        default=None,
+        description="realtime-ws: environment variable holding the token sent as "
+                    "`Authorization: Bearer` (another Babelcast's publish token)")
     max_session_s: float | None = Field(
         default=None, gt=0,
         description="realtime-ws: the server's session cap in audio seconds, if known")
@@ -241,6 +271,8 @@ class EngineConfig(_Strict):
                 raise _fail("engine kind realtime-ws needs url: ws://HOST:PORT/v1/realtime")
         elif self.url is not None:
             raise _fail("url is only for engine kind realtime-ws")
+        if self.token_env is not None and self.kind != "realtime-ws":
+            raise _fail("token_env is only for engine kind realtime-ws")
         return self
 
 
@@ -358,6 +390,12 @@ class IngestConfig(_Strict):
 class GatewayConfig(_Strict):
     host: str = Field(default="127.0.0.1", description="address the gateway listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="gateway port; 0 picks a free port")
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="web origins (scheme://host[:port]) whose pages may open WebSockets "
+                    "besides the gateway's own; '*' allows any")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig,
+                                 description="bounds on connections, audio and queues")
 
 
 def _split_source(source: str) -> tuple[SourceKind, str]:
@@ -477,6 +515,10 @@ class EventConfig(_Strict):
     ingest: IngestConfig = Field(default_factory=IngestConfig, description="audio ingest pool")
     streams: list[StreamConfig] = Field(min_length=1, description="audio streams to caption")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig, description="HTTP gateway")
+    auth: AuthConfig | None = Field(
+        default=None,
+        description="tokens for publishing, reading and administering; null: on a loopback "
+                    "gateway, tokens made per run; elsewhere an error")
     translation: TranslationConfig = Field(default_factory=TranslationConfig,
                                            description="translator pool and backend routes")
     glossary: list[GlossaryEntry] = Field(
@@ -527,6 +569,9 @@ class EventConfig(_Strict):
                              "engine.actors or engine.streams_per_actor", n))
         problems += [(("outputs", *loc), msg, v)
                      for loc, msg, v in outputs_problems(self.outputs, self.streams)]
+        problems += auth_problems(self.auth, self.gateway.host, self.streams)
+        problems += [(("gateway", "allowed_origins", *loc), msg, v)
+                     for loc, msg, v in origin_problems(self.gateway.allowed_origins)]
         problems += listen_port_problems(self.streams)
         _raise_at("EventConfig", problems)
         return self
@@ -609,8 +654,10 @@ def _message(err: Any) -> str:
 def parse_event(text: str, *, filename: str = "<string>",
                 base_dir: Path | None = None) -> EventConfig:
     """Parse and validate event YAML; relative file sources resolve against `base_dir`."""
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        # The constructor already reads: a control character fails here (found by fuzzing).
+        loader = yaml.SafeLoader(text)
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except yaml.YAMLError as e:
@@ -620,7 +667,8 @@ def parse_event(text: str, *, filename: str = "<string>",
         problem = "; ".join(p for p in parts if p) or str(e)
         raise ConfigError([ConfigIssue(filename, line, "<yaml>", problem)]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if root is None:
         raise ConfigError([ConfigIssue(filename, None, "<top level>", "file is empty; expected "
                                        "a mapping with at least 'event' and 'streams'")])

@@ -19,22 +19,27 @@ from workers.bus import RedisBus
 
 class LiveView:
     def __init__(self, cfg: EventConfig, redis: Redis, base_url: str, *, plain: bool,
-                 unplaced: list[str]) -> None:
+                 unplaced: list[str], viewer_token: str | None = None) -> None:
         self.cfg = cfg
         self.bus = RedisBus(redis)
         self.base = base_url
         self.plain = plain or not sys.stdout.isatty()
         self.unplaced = unplaced
+        self.viewer_token = viewer_token
         self.console = Console()
 
     def urls(self) -> list[str]:
-        lines = [f"overlays  {self.base}/   (add one to OBS as a Browser source)",
+        """The overlay URLs, each with the viewer token OBS needs (see README, Security)."""
+        tok = f"token={self.viewer_token}" if self.viewer_token else ""
+        amp = f"&{tok}" if tok else ""
+        lines = [f"overlays  {self.base}/{'?' + tok if tok else ''}   (add one to OBS as a "
+                 "Browser source)",
                  f"gateway   {self.base}/v1/streams", f"metrics   {self.base}/metrics"]
         for s in self.cfg.streams:
             lang = s.language if s.language != "auto" else "src"
-            lines.append(f"{s.id:<9} {self.base}/overlay/{s.id}?lang={lang}")
+            lines.append(f"{s.id:<9} {self.base}/overlay/{s.id}?lang={lang}{amp}")
             for target in s.targets:
-                lines.append(f"{'':<9} {self.base}/overlay/{s.id}?lang={target}"
+                lines.append(f"{'':<9} {self.base}/overlay/{s.id}?lang={target}{amp}"
                              f"   (babelcast tail {s.id} --lang {target} --url {self.base})")
         return lines
 

@@ -51,6 +51,8 @@ LABELS: dict[str, str] = {
     "component": "process part that saw the error: gateway",
     "output": "caption output: archive, youtube, runner",
     "result": "YouTube POST result: ok, retried, rejected, expired, dropped",
+    "refusal": "why the gateway refused or closed a client: unauthorized, forbidden, origin, "
+               "rate, size, cap, slow_client, precommit, unavailable",
 }
 """Every label any metric may carry, with the bounded set of values it takes."""
 
@@ -191,6 +193,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _gw("babelcast_push_bad_frames_total", "counter",
         "Push frames rejected (odd length, wrong type)", "stream"),
     _gw("babelcast_redis_errors_total", "counter", "Redis operations that failed", "component"),
+    _gw("babelcast_redis_restarts_total", "counter",
+        "Times the local redis-server child died and was started again"),
+    _gw("babelcast_gateway_refusals_total", "counter",
+        "Requests and WebSockets the gateway refused or closed, by why", "refusal"),
     _gw("babelcast_undecodable_messages_total", "counter",
         "Bus messages skipped as undecodable", "component"),
     # ---- orchestrator (orchestrator/runtime.py) ----

@@ -1,8 +1,10 @@
 """A local `redis-server` child process on a free port, for events without a Redis URL.
 
-Persistence is off (the data plane is a live buffer, not a database) and the
-child dies with us: it is stopped on exit, and `--ignore-warnings` keeps its
-log quiet on small machines.
+With a `data_dir` (what `babelcast run` gives it: the event's data folder) it keeps an
+append-only file, fsynced every second, so a redis-server that dies and is started
+again (`orchestrator.redis_child`) comes back with the captions, jobs and seqs it had,
+at most a second short. Without one (tests) persistence is off. The child dies with
+us: it is stopped on exit and gets a parent-death signal for the exits that skip that.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from types import TracebackType
+
+from orchestrator.lifecycle import parent_death_signal
 
 
 class RedisServerError(RuntimeError):
@@ -26,17 +31,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalRedisServer:
-    def __init__(self, *, port: int | None = None, binary: str = "redis-server") -> None:
+    def __init__(self, *, port: int | None = None, binary: str = "redis-server",
+                 data_dir: str | Path | None = None) -> None:
         self.port = port
         self.binary = binary
+        self.data_dir = Path(data_dir) if data_dir is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.restarts = 0
 
     @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
-    def start(self, timeout_s: float = 10.0) -> str:
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def spawn(self) -> None:
+        """Start the process (on the port it had, if any) without waiting for it. Call
+        from a thread that lives as long as the child should: the parent-death signal
+        follows the thread that forked."""
         exe = shutil.which(self.binary)
         if exe is None:
             raise RedisServerError(
@@ -44,25 +58,47 @@ class LocalRedisServer:
                 "or set redis.url in the event file"
             )
         self.port = self.port or free_port()
-        self._dir = tempfile.TemporaryDirectory(prefix="babelcast-redis-")
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            folder = str(self.data_dir)
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="babelcast-redis-")
+            folder = self._dir.name
+            persistence = ["--appendonly", "no"]
         self._proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._dir.name, "--loglevel", "warning"],
+             *persistence, "--dir", folder, "--loglevel", "warning"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            preexec_fn=parent_death_signal(),
         )
+
+    def ready(self) -> bool:
+        """True once it answers PING; raises RedisServerError if it exited."""
+        assert self._proc is not None
+        if self._proc.poll() is not None:
+            err = (self._proc.stderr.read() if self._proc.stderr else b"").decode()[-500:]
+            raise RedisServerError(f"redis-server exited at start: {err}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port or 0), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        self.spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                err = (self._proc.stderr.read() if self._proc.stderr else b"").decode()[-500:]
-                raise RedisServerError(f"redis-server exited at start: {err}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self.url
-            except OSError:
-                time.sleep(0.05)
+            if self.ready():
+                return self.url
+            time.sleep(0.05)
         self.stop()
         raise RedisServerError(f"redis-server did not answer on port {self.port}")
 

@@ -350,8 +350,9 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         )
     if e.kind == "realtime-ws":
         assert e.url is not None
+        token = os.environ.get(e.token_env, "").strip() or None if e.token_env else None
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
-                                 max_session_s=e.max_session_s)
+                                 max_session_s=e.max_session_s, token=token)
     return EmbeddedEngineOptions(
         model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s,
         final_pass=e.final_pass, final_beam_size=e.final_beam_size,
@@ -466,7 +467,9 @@ class EventRuntime:
         if self.cfg.redis.url:
             self.redis_url = self.cfg.redis.url
         else:
-            self._redis_child = LocalRedisServer()
+            # Persistent (append-only file in the event's data folder) and restarted by
+            # orchestrator.redis_child if it dies.
+            self._redis_child = LocalRedisServer(data_dir=self.cfg.redis.resolved_data_dir)
             self.redis_url = self._redis_child.start()
         if not ray.is_initialized():
             ray.init(
@@ -556,6 +559,15 @@ class EventRuntime:
         metrics.STREAMS_UNPLACED.set(len(self.unplaced))
         for s in self.cfg.streams:
             metrics.STREAM_UNPLACED.labels(stream=s.id).set(int(s.id in self.unplaced))
+
+    @property
+    def redis_child(self) -> LocalRedisServer | None:
+        return self._redis_child
+
+    async def report_status(self) -> None:
+        """Again after Redis came back empty (orchestrator.epoch)."""
+        if self.router is not None:
+            await self._report_status()
 
     async def _report_status(self) -> None:
         """For the gateway's /v1/status and `babelcast status`: the event's actors, and

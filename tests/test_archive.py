@@ -271,3 +271,54 @@ def test_archive_folder_resolves_against_the_event_file_and_can_be_turned_off(
                                      context={"base_dir": tmp_path})
     with pytest.raises(ValueError, match=r"archive\.folder"):
         OutputsConfig.model_validate({"archive": {"folder": "x"}})
+
+
+@integration
+async def test_export_through_the_gateway_needs_only_a_viewer_token_and_matches_redis(
+    redis_url: str, bus: RedisBus, tmp_path: Path
+) -> None:
+    """`babelcast export --url`: a user with the gateway and a token, no Redis access."""
+    from orchestrator.gateway.access import GatewaySecurity
+    from orchestrator.gateway.app import GatewayStream
+    from orchestrator.gateway.auth import Authenticator, GatewaySecrets, mint_viewer_token
+    from tests.outputs_support import ADMIN_TOKEN, running_gateway
+
+    key = b"e" * 48
+    security = GatewaySecurity(Authenticator(GatewaySecrets(admin=ADMIN_TOKEN, signing_key=key),
+                                             viewers_public=False))
+    fr_viewer = mint_viewer_token(key, streams=["hall"], langs=["fr"], ttl_s=600, subject="t")
+    await publish(bus, ENGLISH + FRENCH)
+    async with running_gateway(redis_url, [GatewayStream(HALL, "push")],
+                               security=security) as gw:
+        env_free = {k: v for k, v in os.environ.items() if k != "BABELCAST_TOKEN"}
+
+        def export(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([sys.executable, "-m", "orchestrator.cli", "export", "hall",
+                                   "--url", gw.base, *args], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60, env=env_free)
+
+        via_redis = await asyncio.to_thread(babelcast, "export", "hall", "--lang", "fr",
+                                            "--format", "srt", "--redis", redis_url)
+        result = await asyncio.to_thread(export, "--lang", "fr", "--format", "srt",
+                                         "--token", fr_viewer)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == via_redis.stdout
+        assert srt_cues(result.stdout)[0] == (0.4, 1.9, "Bonjour à tous.")
+
+        out = tmp_path / "hall.vtt"  # the stream's own language by default; admin may
+        result = await asyncio.to_thread(export, "-o", str(out), "--token", ADMIN_TOKEN)
+        assert result.returncode == 0, result.stderr
+        assert "captions of hall in 'en' (vtt)" in result.stderr
+        assert unescape(vtt_cues(out)) == expected([s for s in ENGLISH if s.is_final])
+
+        refused = {
+            "no token": (await asyncio.to_thread(export, "--lang", "fr"), "401"),
+            "another language": (await asyncio.to_thread(export, "--lang", "en", "--token",
+                                                         fr_viewer), "403"),
+        }
+        for what, (res, code) in refused.items():
+            assert res.returncode == 2 and f"answered {code}" in res.stderr, what
+            assert "--token" in res.stderr and res.stdout == "", what
+        missing = await asyncio.to_thread(export, "--lang", "de", "--token", ADMIN_TOKEN)
+        assert missing.returncode == 2 and "answered 404" in missing.stderr
+        assert "en, fr" in missing.stderr

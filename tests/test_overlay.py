@@ -13,8 +13,17 @@ import pytest
 from playwright.async_api import Browser, Page, async_playwright
 from playwright.async_api import TimeoutError as PlaywrightTimeout
 
+from orchestrator.gateway.access import GatewaySecurity
+from orchestrator.gateway.auth import Authenticator, GatewaySecrets, mint_viewer_token
 from orchestrator.redis_server import free_port
-from tests.outputs_support import Gateway, caption, hall, running_gateway, start_gateway
+from tests.outputs_support import (
+    ADMIN_TOKEN,
+    Gateway,
+    caption,
+    hall,
+    running_gateway,
+    start_gateway,
+)
 from tests.speech import ROOT
 from workers.bus import RedisBus
 from workers.captions.linebreak import wrap
@@ -301,6 +310,48 @@ async def test_index_links_to_every_overlay_and_missing_lang_is_filled_in(
     await until_live(page, "en")
     await until_live(page, "fr")
     assert page.url.endswith("/overlay/hall?lang=en&lang2=fr")
+
+
+async def test_an_overlay_url_with_a_viewer_token_shows_captions_and_one_without_is_refused(
+    browser: Browser, redis_url: str, bus: RedisBus
+) -> None:
+    """Viewers need tokens here (no `auth.viewers: public`): the URL OBS is given carries
+    one; the page sends it as the socket's subprotocol, never in the socket's URL."""
+    key = b"v" * 48
+    security = GatewaySecurity(Authenticator(GatewaySecrets(admin=ADMIN_TOKEN, signing_key=key),
+                                             viewers_public=False))
+    english = mint_viewer_token(key, streams=["hall"], langs=["en"], ttl_s=600, subject="obs")
+    async with running_gateway(redis_url, [hall(("fr",))], security=security) as gw:
+        page = await new_page(browser)
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
+        loaded = await page.goto(f"{gw.base}/overlay/hall?lang=en&since=0&token={english}")
+        assert loaded is not None and loaded.status == 200
+        await until_live(page)
+        await show(page, bus, [caption(1, 1, "Good morning, everyone.", 0.0, 1.5)])
+        assert await lines(page) == ["Good morning, everyone."]
+        assert sockets and not any(english in url for url in sockets)
+
+        refused = await new_page(browser)
+        for url, status in ((f"{gw.base}/overlay/hall?lang=en", 401),  # no token
+                            (f"{gw.base}/overlay/hall?lang=en&token=forged.x.y", 401),
+                            (f"{gw.base}/overlay/hall?lang=fr&token={english}", 403)):
+            answer = await refused.goto(url)
+            assert answer is not None and answer.status == status, url
+            assert await refused.locator(".track").count() == 0, "no overlay was served"
+            assert "token" in await refused.inner_text("body")
+
+        # A token that runs out while the page is open: the socket is closed (4401), the
+        # overlay says why and shows nothing new.
+        brief = mint_viewer_token(key, streams=["hall"], langs=["en"], ttl_s=5, subject="obs")
+        expiring = await new_page(browser)
+        await expiring.goto(f"{gw.base}/overlay/hall?lang=en&token={brief}")
+        await until_live(expiring)
+        await expiring.wait_for_selector(f'{track("en")}[data-error="token_expired"]',
+                                         timeout=15_000)
+        await bus.publish_caption(caption(2, 2, "Said after it expired.", 2.0, 3.0))
+        await until_seq(page, 2)  # the page with a valid token got it
+        assert "Said after it expired." not in await lines(expiring)
 
 
 def test_overlay_assets_need_nothing_from_outside() -> None:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -29,20 +27,25 @@ import pytest
 import websockets
 
 from orchestrator.redis_server import LocalRedisServer, free_port
+from tests.event_support import Event, start_event, stop_event
 from tests.speech import AUDIO, decode_pcm16, normalize, reference_text, write_reference_wav
 
 pytestmark = pytest.mark.integration
 
 RECV_TIMEOUT_S = 30.0
-
-
-class Event:
-    def __init__(self, base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.base = base
-        self.ws = base.replace("http://", "ws://")
-        self.proc = proc
-        self.log = log
-        self.started = time.time()
+ADMIN_TOKEN = "pipeline-admin-token-0123456789"
+PUSH_TOKEN = "pipeline-publish-token-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+PUBLISH = {"Authorization": f"Bearer {PUSH_TOKEN}"}
+# Captions are public here (tests/test_auth.py covers viewer tokens); pushing and the
+# event status need their tokens, which `babelcast run` reads from these variables.
+AUTH = """
+auth:
+  admin_token_env: PIPELINE_ADMIN_TOKEN
+  publish_token_env: {pushed: PIPELINE_PUSH_TOKEN}
+  viewers: public
+"""
+ENV = {"PIPELINE_ADMIN_TOKEN": ADMIN_TOKEN, "PIPELINE_PUSH_TOKEN": PUSH_TOKEN}
 
 
 @pytest.fixture(scope="module")
@@ -62,42 +65,10 @@ streams:
   - {{id: broken, source: "http://127.0.0.1:{dead}/live.mp3", language: en}}
   - {{id: pushed, source: push, language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
-""")
-    ev = start_event(cfg, port)
+""" + AUTH)
+    ev = start_event(cfg, port, ENV)
     yield ev
     stop_event(ev)
-
-
-def start_event(cfg: Path, port: int) -> Event:
-    """`babelcast run` as an operator starts it; returns once its gateway answers."""
-    log = cfg.with_suffix(".log")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
-             "--duration", "400"],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"babelcast run exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                return Event(base, proc, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"gateway did not come up: {log.read_text()[-3000:]}")
-
-
-def stop_event(ev: Event) -> None:
-    ev.proc.send_signal(signal.SIGINT)  # what an operator's Ctrl-C sends
-    try:
-        ev.proc.wait(60)
-    except subprocess.TimeoutExpired:
-        ev.proc.kill()
 
 
 async def messages(url: str) -> AsyncIterator[dict[str, Any]]:
@@ -229,7 +200,9 @@ def test_bad_query_and_unknown_stream_get_error_events(event: Event) -> None:
     bad = asyncio.run(first(f"{event.ws}/v1/streams/talk/captions?lang=en&since=x"))
     assert bad["code"] == "invalid_since"
     assert httpx.get(f"{event.base}/v1/streams/nope").status_code == 404
-    assert "babelcast_gateway_messages_total" in httpx.get(f"{event.base}/metrics").text
+    assert httpx.get(f"{event.base}/metrics").status_code == 401
+    assert "babelcast_gateway_messages_total" in httpx.get(f"{event.base}/metrics",
+                                                           headers=ADMIN).text
 
 
 def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> None:
@@ -248,7 +221,8 @@ def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> No
 
         listener = asyncio.create_task(listen())
         await asyncio.sleep(0.5)
-        async with websockets.connect(f"{event.ws}/v1/streams/pushed/audio") as ws:
+        async with websockets.connect(f"{event.ws}/v1/streams/pushed/audio",
+                                      additional_headers=PUBLISH) as ws:
             await ws.send(b"\x00\x01\x02")  # odd length: not PCM16
             errors.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
             await ws.send("hello")  # text frame
@@ -273,7 +247,8 @@ def test_pushed_audio_is_captioned_and_bad_frames_get_errors(event: Event) -> No
 
 def test_push_to_a_pulled_stream_is_refused(event: Event) -> None:
     async def run() -> dict[str, Any]:
-        async with websockets.connect(f"{event.ws}/v1/streams/talk/audio") as ws:
+        async with websockets.connect(f"{event.ws}/v1/streams/talk/audio",
+                                      additional_headers=PUBLISH) as ws:
             return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
 
     assert asyncio.run(run())["code"] == "not_push"
@@ -316,7 +291,8 @@ def test_realtime_ws_engine_captions_speech_through_babelcasts_own_endpoint(
 
     pcm = decode_pcm16(AUDIO / "room-a.flac") + bytes(2 * SAMPLE_RATE * 2)
     engine = RealtimeWsEngine(RealtimeWsOptions(
-        url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5))
+        url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5,
+        token=PUSH_TOKEN))
 
     async def run() -> list[str]:
         manager = SessionManager(engine, SessionOptions("rt", "en"))
@@ -349,7 +325,8 @@ def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
 ) -> None:
     async def run() -> tuple[list[str], dict[str, Any]]:
         codes: list[str] = []
-        async with websockets.connect(f"{event.ws}/v1/realtime?stream=pushed") as ws:
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=pushed",
+                                      additional_headers=PUBLISH) as ws:
 
             async def recv() -> dict[str, Any]:
                 return dict(json.loads(await asyncio.wait_for(ws.recv(), 20)))
@@ -370,6 +347,9 @@ def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
             await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
             await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
             done = await recv()
+            while done["type"] == "transcription.delta":
+                # The stream's captions of earlier audio (another test's) may still come.
+                done = await recv()
         return codes, done
 
     codes, done = asyncio.run(run())
@@ -381,7 +361,8 @@ def test_realtime_protocol_errors_are_answered_and_the_socket_stays_usable(
 
 def test_realtime_endpoint_refuses_a_stream_that_is_not_push(event: Event) -> None:
     async def run() -> dict[str, Any]:
-        async with websockets.connect(f"{event.ws}/v1/realtime?stream=talk") as ws:
+        async with websockets.connect(f"{event.ws}/v1/realtime?stream=talk",
+                                      additional_headers=PUBLISH) as ws:
             return dict(json.loads(await asyncio.wait_for(ws.recv(), 10)))
 
     reply = asyncio.run(run())
@@ -404,11 +385,13 @@ engine:
   model: whisper-base
   url: "{event.ws}/v1/realtime?stream=pushed"
   delay_s: 1.5
+  token_env: PIPELINE_PUSH_TOKEN
 streams:
   - {{id: relay, source: "{AUDIO / 'room-a.flac'}", language: en}}
 gateway: {{host: 127.0.0.1, port: {port}}}
+auth: {{admin_token_env: PIPELINE_ADMIN_TOKEN, viewers: public}}
 """)
-    relay = start_event(cfg, port)
+    relay = start_event(cfg, port, ENV)
     try:
         async def finals() -> list[str]:
             out: list[str] = []

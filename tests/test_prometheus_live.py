@@ -1,8 +1,9 @@
 """Real parts end to end: `babelcast run` (local Ray, the embedded tiny.en engine, a
 translator) captions two rooms while a real Prometheus server (the Debian binary)
-scrapes the gateway and Ray's metrics agents with deploy/prometheus/prometheus.yml
-(its targets and intervals adapted) and evaluates the real alert rules. The tests
-query Prometheus' HTTP API as Grafana does.
+scrapes the gateway (with the event's scrape token, from the file the config names) and
+Ray's metrics agents with deploy/prometheus/prometheus.yml (its targets and intervals
+adapted) and evaluates the real alert rules. The tests query Prometheus' HTTP API as
+Grafana does.
 
 Ray exports actor metrics every `RAY_metrics_report_interval_ms` (10 s by default);
 the event runs with 1 s so that the series appear within seconds.
@@ -21,7 +22,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import httpx
 import pytest
@@ -29,15 +29,17 @@ import yaml
 
 from orchestrator.metric_catalog import series_labels
 from orchestrator.redis_server import LocalRedisServer, free_port
+from tests.event_support import Event, start_event, stop_event
 from tests.speech import AUDIO
 from tests.test_dashboards import queries
-from tests.test_pipeline import Event, start_event, stop_event
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = "/usr/bin/prometheus"
 SERIES_TIMEOUT_S = 90.0
+TOKENS = {"LIVE_ADMIN": "live-admin-token-0123456789",
+          "LIVE_SCRAPE": "live-scrape-token-0123456789"}
 
 
 @dataclass
@@ -102,20 +104,23 @@ streams:
   - {{id: room-a, source: "{AUDIO / 'room-a.flac'}", language: en, loop: true, targets: [pt]}}
   - {{id: room-b, source: "{AUDIO / 'room-b.flac'}", language: en, loop: true}}
 gateway: {{host: 127.0.0.1, port: {port}}}
+auth: {{admin_token_env: LIVE_ADMIN, scrape_token_env: LIVE_SCRAPE, viewers: public}}
 """)
     prom_port = free_port()
     prom_cfg = tmp / "prometheus.yml"
     sd_file = ray_tmp / "ray" / "prom_metrics_service_discovery.json"
     prom_cfg.write_text(yaml.safe_dump(prometheus_config(port, sd_file)))
+    # The scrape token where deploy/prometheus/prometheus.yml reads it (beside the file).
+    (tmp / "secrets").mkdir()
+    (tmp / "secrets" / "babelcast-scrape-token").write_text(TOKENS["LIVE_SCRAPE"])
     prom = subprocess.Popen(
         [PROMETHEUS, f"--config.file={prom_cfg}", f"--storage.tsdb.path={tmp / 'data'}",
          f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
         stdout=subprocess.DEVNULL, stderr=(tmp / "prometheus.log").open("wb"))
-    env = {"RAY_TMPDIR": str(ray_tmp), "RAY_metrics_report_interval_ms": "1000"}
+    env = {"RAY_TMPDIR": str(ray_tmp), "RAY_metrics_report_interval_ms": "1000", **TOKENS}
     event: Event | None = None
     try:
-        with mock.patch.dict(os.environ, env):
-            event = start_event(cfg, port)
+        event = start_event(cfg, port, env)
         base = f"http://127.0.0.1:{prom_port}"
         deadline = time.monotonic() + 30
         while True:
@@ -238,7 +243,8 @@ def test_every_dashboard_query_runs_and_the_rules_evaluate(live: Live) -> None:
 def test_babelcast_status_prints_the_headline_figures(live: Live) -> None:
     live.until('sum(ray_babelcast_translations_total{lang="pt"})', bool, "a translation")
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "status", "--url", live.event.base],
+        [sys.executable, "-m", "orchestrator.cli", "status", "--url", live.event.base,
+         "--token", TOKENS["LIVE_ADMIN"]],
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

@@ -17,7 +17,7 @@ import websockets
 from orchestrator.gateway.app import GatewayStream
 from orchestrator.redis_server import free_port
 from orchestrator.status import register_actors, render
-from tests.outputs_support import caption, running_gateway
+from tests.outputs_support import ADMIN, ADMIN_TOKEN, caption, running_gateway
 from workers.bus import RedisBus
 from workers.events import StreamOptions
 
@@ -77,7 +77,8 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     await seed(bus, now)
     async with running_gateway(redis_url, streams()) as gw:
         ws_url = gw.base.replace("http://", "ws://") + "/v1/streams/hall/captions?lang=pt"
-        async with websockets.connect(ws_url), httpx.AsyncClient(base_url=gw.base) as http:
+        async with websockets.connect(ws_url), httpx.AsyncClient(base_url=gw.base,
+                                                                 headers=ADMIN) as http:
             async def one_client() -> dict[str, Any]:
                 while True:
                     body: dict[str, Any] = (await http.get("/v1/status")).json()
@@ -86,9 +87,9 @@ async def test_status_reports_rooms_translation_actors_and_clients(
                     await asyncio.sleep(0.05)
 
             body = await asyncio.wait_for(one_client(), 10)
-            text, as_json = await asyncio.gather(asyncio.to_thread(cli, "--url", gw.base),
-                                                 asyncio.to_thread(cli, "--url", gw.base,
-                                                                   "--json"))
+            text, as_json = await asyncio.gather(
+                asyncio.to_thread(cli, "--url", gw.base, "--token", ADMIN_TOKEN),
+                asyncio.to_thread(cli, "--url", gw.base, "--json", "--token", ADMIN_TOKEN))
     rooms = {s["id"]: s for s in body["streams"]}
     hall, annex = rooms["hall"], rooms["annex"]
     assert hall["state"] == "captioning" and hall["actor"] == "asr-0"

@@ -24,7 +24,7 @@ from translation.backends import BackendSettings, Routes, build
 from translation.backends.base import BackendError, Result, TranslationRequest, Translator
 from translation.glossary import Glossary, GlossaryTerm
 from translation.jobs import Delivery, JobQueue
-from workers.bus import RedisBus
+from workers.bus import RedisBus, retry_redis
 from workers.captions.linebreak import WEB, break_lines
 from workers.events import CaptionSegment, TranslationJob
 
@@ -91,6 +91,10 @@ class TranslationHost:
         self.lags: deque[float] = deque(maxlen=2000)
         self.lags_by_lang: dict[str, deque[float]] = {}
         self._usage_seen: dict[tuple[str, str], float] = {}
+        # The last seq this host published per (stream, lang), and the Redis data set
+        # it published into: after Redis came back empty no seq is given twice.
+        self._floors: dict[tuple[str, str], int] = {}
+        self._epoch = ""
 
     @property
     def bus(self) -> RedisBus:
@@ -104,6 +108,7 @@ class TranslationHost:
         self._queue = JobQueue(self._redis, self.options.translator_id,
                                claim_idle_s=self.options.claim_idle_s)
         await self._queue.ensure_group()
+        self._epoch = await self.bus.epoch()
         self._loop = asyncio.create_task(self._run(), name="translate")
         self._reporter = asyncio.create_task(self._report_loop(), name="translate-report")
 
@@ -224,7 +229,7 @@ class TranslationHost:
             audio_end_wall=job.audio_end_wall, emit_time=time.time(), error=error,
             source_lang=job.source_lang,
         )
-        seq = await self.bus.publish_translation(seg)
+        seq = await self._publish_held(seg)
         if seq == 0:
             self.counters["duplicates_skipped"] += 1
             return
@@ -244,6 +249,30 @@ class TranslationHost:
             except Exception as exc:
                 log.warning("translator %s: metrics failed: %s", self.options.translator_id,
                             type(exc).__name__)
+
+    async def _publish_held(self, seg: CaptionSegment) -> int:
+        """Publish, holding the translation while Redis is away; when it came back empty
+        (another epoch), wait until the orchestrator has set the seq floors and the new
+        epoch, then publish above this host's own floor."""
+        key = (seg.stream, seg.lang)
+        while True:
+            seq = await retry_redis(
+                lambda: self.bus.publish_translation(seg, floor=self._floors.get(key, 0),
+                                                     epoch=self._epoch),
+                what=f"translator {self.options.translator_id}", log=log)
+            if seq != -1:
+                break
+            epoch = await retry_redis(self.bus.epoch, what="epoch", log=log)
+            if epoch and epoch != self._epoch:
+                log.warning("translator %s: Redis was emptied; publishing above the last "
+                            "known seqs", self.options.translator_id)
+                self._epoch = epoch
+                self.counters["epoch_changes"] += 1
+                continue
+            await asyncio.sleep(0.2)
+        if seq > 0:
+            self._floors[key] = max(seq, self._floors.get(key, 0))
+        return int(seq)
 
     # ---- reporting -------------------------------------------------------------
     def stats(self) -> dict[str, float]:

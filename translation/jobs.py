@@ -5,6 +5,11 @@ its pending list until it acks it (after publishing every target). A translator
 that dies leaves its jobs pending; any other translator re-claims jobs idle for
 longer than `claim_idle_s` with XAUTOCLAIM, so no job is lost. A translator that
 restarts under the same consumer name first re-reads its own pending jobs.
+
+When Redis comes back without the group (emptied, or the group's creation was lost),
+reads answer NOGROUP: the group is created again at the last job id this consumer
+has seen, so jobs enqueued since are read and jobs already done are not translated
+again.
 """
 
 from __future__ import annotations
@@ -41,20 +46,34 @@ class JobQueue:
         self._own_pending_done = False
         self._claim_cursor = "0-0"
         self.undecodable = 0
+        self.last_seen_id = "0"
+        self.groups_recreated = 0
 
-    async def ensure_group(self) -> None:
+    async def ensure_group(self, start_id: str = "0") -> None:
         # From the start of the Stream: jobs enqueued before any translator came up
         # are translated too (publishing is idempotent per segment, so an old job
         # that was already done publishes nothing).
         try:
-            await self.redis.xgroup_create(JOBS_KEY, GROUP, id="0", mkstream=True)
+            await self.redis.xgroup_create(JOBS_KEY, GROUP, id=start_id, mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    async def _recreate_on_nogroup(self, exc: ResponseError) -> None:
+        if "NOGROUP" not in str(exc):
+            raise exc
+        log.warning("translation job group is gone (Redis restarted empty?); creating it "
+                    "again after job %s", self.last_seen_id)
+        self.groups_recreated += 1
+        self._own_pending_done = False
+        self._claim_cursor = "0-0"
+        await self.ensure_group(self.last_seen_id)
+
     def _decode(self, entries: list[Any], claimed: bool) -> list[Delivery]:
         out: list[Delivery] = []
         for entry_id, fields in entries:
+            if _id_key(as_str(entry_id)) > _id_key(self.last_seen_id):
+                self.last_seen_id = as_str(entry_id)
             if fields is None:  # deleted (trimmed) while pending
                 out.append(Delivery(as_str(entry_id), None, claimed))
                 continue
@@ -74,6 +93,13 @@ class JobQueue:
 
     async def read(self, count: int, block_ms: int) -> list[Delivery]:
         """New jobs for this consumer (its own pending ones first, after a restart)."""
+        try:
+            return await self._read(count, block_ms)
+        except ResponseError as exc:
+            await self._recreate_on_nogroup(exc)
+            return []
+
+    async def _read(self, count: int, block_ms: int) -> list[Delivery]:
         if not self._own_pending_done:
             resp = await self.redis.xreadgroup(GROUP, self.consumer, {JOBS_KEY: "0"},
                                                count=count)
@@ -87,9 +113,13 @@ class JobQueue:
 
     async def claim(self, count: int) -> list[Delivery]:
         """Jobs other consumers have held for longer than `claim_idle_s`."""
-        resp = await self.redis.xautoclaim(JOBS_KEY, GROUP, self.consumer,
-                                           min_idle_time=self.claim_idle_ms,
-                                           start_id=self._claim_cursor, count=count)
+        try:
+            resp = await self.redis.xautoclaim(JOBS_KEY, GROUP, self.consumer,
+                                               min_idle_time=self.claim_idle_ms,
+                                               start_id=self._claim_cursor, count=count)
+        except ResponseError as exc:
+            await self._recreate_on_nogroup(exc)
+            return []
         next_id, entries = as_str(resp[0]), resp[1]
         self._claim_cursor = next_id
         deleted = resp[2] if len(resp) > 2 else []
@@ -99,7 +129,10 @@ class JobQueue:
 
     async def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:
-            await self.redis.xack(JOBS_KEY, GROUP, *entry_ids)
+            try:
+                await self.redis.xack(JOBS_KEY, GROUP, *entry_ids)
+            except ResponseError as exc:  # the group went with an emptied Redis
+                await self._recreate_on_nogroup(exc)
 
     async def depth(self) -> dict[str, float]:
         """Queue figures for metrics: pending (read, not acked), lag (not yet read),
@@ -124,3 +157,11 @@ class JobQueue:
             now_ms = t[0] * 1000 + t[1] // 1000
             age = max(0.0, (now_ms - int(oldest_id.split("-")[0])) / 1000)
         return {"pending": pending, "lag": lag, "oldest_age_s": round(age, 3)}
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, n = entry_id.partition("-")
+    try:
+        return int(ms), int(n or 0)
+    except ValueError:
+        return 0, 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -21,7 +22,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.bus import RedisBus
+from workers.backlog import BacklogGuard
+from workers.bus import RETRYABLE, RedisBus, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
 from workers.engines.vad import VadService
@@ -71,6 +73,9 @@ class AsrHostOptions:
     restart_backoff_s: float = 1.0
     read_block_ms: int = 200
     session_policy: SessionPolicy = field(default_factory=SessionPolicy)
+    max_backlog_s: float = 20.0
+    """Audio seconds one stream may get ahead of real time in this actor (a publisher's
+    catch-up burst fits); beyond it its audio is skipped (see workers.backlog)."""
     vad_process: bool = False
     """Voice activity in a helper process (GPU actors: keeps Silero, which holds the
     GIL, off the event loop that also runs vLLM's front end)."""
@@ -103,11 +108,15 @@ class _StreamRunner:
     async def start(self) -> None:
         lang = self.opts.caption_lang
         last = await self.bus.last_caption(self.opts.stream_id, lang)
+        # The Stream's last generated id, not its last entry: it stays when entries were
+        # trimmed or when Redis came back empty and orchestrator.epoch set the floor.
+        last_seq = max(await self.bus.last_seq(self.opts.stream_id, lang),
+                       last.seq if last else 0)
         # Continue seq and segment ids after a restart: clients resume by seq.
         self.segmenter = Segmenter(
             self.opts.stream_id,
             lang,
-            next_seq=last.seq + 1 if last else 1,
+            next_seq=last_seq + 1,
             next_segment_id=last.segment_id + 1 if last else 1,
             wall_of=self.walls.wall_of,
         )
@@ -156,17 +165,25 @@ class _StreamRunner:
     async def _publish(self, delta: TranscriptDelta) -> None:
         assert self.segmenter is not None
         for seg in self.segmenter.feed(delta):
-            await self.bus.publish_caption(seg)
+            # Held until Redis takes it: its seq is given, and a seq never published
+            # would be a hole every client sees.
+            await retry_redis(functools.partial(self.bus.publish_caption, seg),
+                              what=f"stream {self.opts.stream_id}", log=log)
             self._count_caption(seg)
             fields: dict[str, str | float | int] = {
                 "asr_state": "captioning",
                 "last_caption_at": seg.emit_time,
                 "last_seq": seg.seq,
             }
-            if seg.is_final:
-                fields["last_final_latency_s"] = round(seg.emit_time - seg.audio_end_wall, 3)
-                await self.bus.incr_status(self.opts.stream_id, "finals")
-            await self.bus.set_status(self.opts.stream_id, **fields)
+            try:  # status is a view: Redis being away must not hold captions back
+                if seg.is_final:
+                    fields["last_final_latency_s"] = round(seg.emit_time - seg.audio_end_wall,
+                                                           3)
+                    await self.bus.incr_status(self.opts.stream_id, "finals")
+                await self.bus.set_status(self.opts.stream_id, **fields)
+            except RETRYABLE as exc:
+                log.warning("stream %s: status not written: %s", self.opts.stream_id,
+                            type(exc).__name__)
             await self._enqueue_translation(seg)
 
     def _count_caption(self, seg: CaptionSegment) -> None:
@@ -211,8 +228,9 @@ class _StreamRunner:
             audio_end_s=seg.audio_end_s, audio_end_wall=seg.audio_end_wall,
             source_emit_time=seg.emit_time, is_final=seg.is_final,
         )
-        try:
-            await self.bus.enqueue_job(job)
+        try:  # held while Redis restarts: the translation of a final is not lost
+            await retry_redis(lambda: self.bus.enqueue_job(job),
+                              what=f"stream {self.opts.stream_id}", log=log)
         except Exception as exc:  # the caption is out; a lost job is counted, not fatal
             log.warning("stream %s: cannot enqueue translation job: %s", self.opts.stream_id,
                         type(exc).__name__)
@@ -303,6 +321,7 @@ class AsrHost:
         self._wake = asyncio.Event()
         self._reporter: asyncio.Task[None] | None = None
         self._engine_seen: dict[str, float] = {}
+        self._backlog = BacklogGuard(options.max_backlog_s)
         self.vad_service = VadService() if options.vad_process else None
         self.engine_ok = True
         self.audio_s = 0.0
@@ -375,6 +394,9 @@ class AsrHost:
                 if runner is None or stream not in self._cursors:
                     continue
                 self._cursors[stream] = entry_id
+                if isinstance(item, AudioChunk) and not self._backlog.admit(stream, item):
+                    # Past its backlog bound: skipped; the session sees the hole as a gap.
+                    continue
                 if item is not None:
                     try:
                         await runner.push(item)

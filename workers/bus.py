@@ -10,6 +10,8 @@ Keys
                               group `translators` (see `translation.jobs`).
 - `mt:done:{stream}:{lang}:{segment_id}`  Seq of the published final translation of a
                               segment (expires), so a re-claimed job publishes nothing twice.
+- `babelcast:epoch`           Random id of this Redis's data set: when it is missing,
+                              Redis came back empty (see `orchestrator.epoch`).
 
 The bus takes an injected `redis.asyncio.Redis` client and never creates one.
 A message it cannot decode is skipped and counted, never fatal.
@@ -17,14 +19,18 @@ A message it cannot decode is skipped and counted, never fatal.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from workers.events import AudioChunk, AudioGap, CaptionSegment, TranslationJob
 
@@ -36,6 +42,7 @@ CAPTIONS_MAXLEN = 20_000
 JOBS_KEY = "mt:jobs"
 JOBS_MAXLEN = 100_000
 DONE_TTL_S = 6 * 3600
+EPOCH_KEY = "babelcast:epoch"
 
 
 def audio_key(stream: str) -> str:
@@ -95,12 +102,25 @@ def job_from_json(raw: str | bytes) -> TranslationJob:
 # whoever publishes (several translators may write the same language), and a final
 # for a segment that already has one is not published again (a re-claimed job).
 # A late non-final for a segment whose final is out is dropped too: it would jump back.
-# KEYS: captions key, done key. ARGV: JSON after the seq, maxlen, done ttl, is_final.
+# The next seq follows the Stream's last generated id (which survives trimming and the
+# floor `orchestrator.epoch` sets after Redis came back empty) and the caller's own
+# floor (the last seq it knows was out), so a seq is never given twice.
+# KEYS: captions key, done key, epoch key. ARGV: JSON after the seq, maxlen, done ttl,
+# is_final, floor, expected epoch ('' : do not check).
+# Returns the seq, 0 (already published) or -1 (the epoch changed: Redis was emptied).
 _PUBLISH_TRANSLATION = """
+if ARGV[6] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[6] then return -1 end
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local seq = 1
-if #last > 0 then seq = tonumber(string.match(last[1][1], '^(%d+)')) + 1 end
+local top = 0
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local info = redis.call('XINFO', 'STREAM', KEYS[1])
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then
+      top = tonumber(string.match(info[i + 1], '^(%d+)'))
+    end
+  end
+end
+local seq = math.max(top, tonumber(ARGV[5])) + 1
 local payload = '{"seq":' .. seq .. ARGV[1]
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], seq .. '-0', 'd', payload)
 redis.call('PUBLISH', KEYS[1], payload)
@@ -206,30 +226,57 @@ class RedisBus:
 
     # ---- captions ----------------------------------------------------------
     async def publish_caption(self, seg: CaptionSegment) -> None:
+        """XADD at id `{seq}-0` and PUBLISH. Safe to call again after a connection
+        error: an entry that did reach the Stream is not written twice (the live copy
+        may be missing; the gateway catches its clients up from the Stream)."""
         key = captions_key(seg.stream, seg.lang)
         payload = caption_to_json(seg)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(key, {"d": payload}, id=f"{seg.seq}-0", maxlen=CAPTIONS_MAXLEN,
                       approximate=True)
             pipe.publish(key, payload)
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except ResponseError as exc:
+                if "equal or smaller" not in str(exc):
+                    raise
+                log.warning("%s seq %d is already in its Stream; not written again", key,
+                            seg.seq)
 
-    async def publish_translation(self, seg: CaptionSegment) -> int:
-        """Publish a translated caption under the next seq of its (stream, lang).
+    async def last_seq(self, stream: str, lang: str) -> int:
+        """The highest seq ever given on (stream, lang): the Stream's last generated id,
+        which stays when entries are trimmed (0 for a new key)."""
+        try:
+            info = await self.redis.xinfo_stream(captions_key(stream, lang))
+        except ResponseError:  # no such key
+            return 0
+        return int(as_str(info["last-generated-id"]).split("-")[0])
 
-        `seg.seq` is ignored. Returns the seq given, or 0 when nothing was published
-        because the segment's final translation is already out.
+    async def publish_translation(self, seg: CaptionSegment, *, floor: int = 0,
+                                  epoch: str = "") -> int:
+        """Publish a translated caption under the next seq of its (stream, lang), above
+        `floor`. With `epoch`, nothing is published if Redis's epoch is another one.
+
+        `seg.seq` is ignored. Returns the seq given, 0 when nothing was published
+        because the segment's final translation is already out, or -1 for an epoch
+        mismatch (Redis was emptied; see `orchestrator.epoch`).
         """
         data: dict[str, Any] = {"type": "caption", **asdict(seg)}
         data.pop("seq")
         data["lines"] = list(seg.lines)
         tail = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
         seq = await self.redis.eval(
-            _PUBLISH_TRANSLATION, 2, captions_key(seg.stream, seg.lang),
-            done_key(seg.stream, seg.lang, seg.segment_id),
+            _PUBLISH_TRANSLATION, 3, captions_key(seg.stream, seg.lang),
+            done_key(seg.stream, seg.lang, seg.segment_id), EPOCH_KEY,
             "," + tail[1:], CAPTIONS_MAXLEN, DONE_TTL_S, "1" if seg.is_final else "0",
+            floor, epoch,
         )
         return int(seq)
+
+    async def epoch(self) -> str:
+        """This Redis's data-set id ('' when unset: new, or emptied)."""
+        value = await self.redis.get(EPOCH_KEY)
+        return as_str(value) if value is not None else ""
 
     # ---- translation jobs ----------------------------------------------------
     async def enqueue_job(self, job: TranslationJob) -> str:
@@ -279,3 +326,45 @@ class RedisBus:
 
 def as_str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+# ---- riding out a Redis restart --------------------------------------------------------
+# Redis restarting (a crash, a failover, the local child being started again) shows as
+# connection errors for a few seconds. Audio and captions in flight are held and written
+# once it is back instead of being dropped, and the task that holds them stays alive;
+# without this, file ingest died for good on the first error and the ASR side skipped a
+# seq for the caption it could not write.
+T = TypeVar("T")
+
+RETRYABLE: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError,
+                                              ConnectionError, TimeoutError)
+"""Redis unreachable, restarting or still loading its data (BusyLoadingError is a
+ConnectionError); never a command error, which would fail again the same way."""
+
+RETRY_FIRST_DELAY_S = 0.1
+RETRY_MAX_DELAY_S = 1.0
+
+
+async def retry_redis(op: Callable[[], Awaitable[T]], *, what: str, log: logging.Logger,
+                      max_wait_s: float | None = None) -> T:
+    """`op()`, retried with backoff (0.1 s doubling to 1 s) while Redis is unreachable;
+    after `max_wait_s` (None: never) the last error is raised."""
+    started = time.monotonic()
+    delay = RETRY_FIRST_DELAY_S
+    warned = False
+    while True:
+        try:
+            result = await op()
+        except RETRYABLE as exc:
+            if max_wait_s is not None and time.monotonic() - started >= max_wait_s:
+                raise
+            if not warned:
+                log.warning("%s: Redis unavailable (%s); holding it and retrying", what,
+                            type(exc).__name__)
+                warned = True
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX_DELAY_S, delay * 2)
+            continue
+        if warned:
+            log.warning("%s: Redis is back after %.1f s", what, time.monotonic() - started)
+        return result

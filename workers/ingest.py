@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.bus import RedisBus
+from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
 from workers.sessions.stall import StallThreshold, ingest_threshold
 from workers.sources.base import AudioSource, SourceError, SourceEvent
@@ -54,12 +55,15 @@ class AudioClock:
         self.stream = stream
         self.pos = pos
         self._clock = clock
+        self.real_time = clock is time.time
+        """Stamps may be derived from time.time() (an injected clock is used as is)."""
         self._last_wall = last_wall
         self._late = late or ingest_threshold()
         self.pending_reason: str | None = reason if last_wall is not None else None
 
-    def stamp(self, pcm: bytes) -> tuple[AudioGap | None, AudioChunk]:
-        now = self._clock()
+    def stamp(self, pcm: bytes, now: float | None = None) -> tuple[AudioGap | None, AudioChunk]:
+        """`now`: when the end of `pcm` was captured (default: the clock)."""
+        now = self._clock() if now is None else now
         samples = len(pcm) // 2
         gap: AudioGap | None = None
         threshold = self._late.threshold_s(now)  # before this pause teaches it anything
@@ -77,15 +81,36 @@ class AudioClock:
         return gap, chunk
 
 
-async def write_audio(bus: RedisBus, clock: AudioClock, pcm: bytes) -> AudioGap | None:
-    """Stamp and write one chunk (and the gap before it, if any)."""
-    gap, chunk = clock.stamp(pcm)
-    if gap is not None:
-        await bus.add_gap(gap)
-        await bus.incr_status(clock.stream, "gaps")
-        await bus.incr_status(clock.stream, "gap_seconds", gap.duration_s)
-    await bus.add_audio(chunk)
-    return gap
+MAX_ENTRY_BYTES = round(AUDIO_CHUNK_S * SAMPLE_RATE) * 2
+"""Audio per Redis entry (100 ms): the audio Stream is capped in entries, so with a
+bounded entry its cap is a byte cap too (a 4 MiB frame once became one entry)."""
+
+
+async def write_audio(bus: RedisBus, clock: AudioClock, pcm: bytes, *,
+                      max_wait_s: float | None = None) -> AudioGap | None:
+    """Stamp and write audio in entries of at most 100 ms (and the gap before it, if
+    any). Each write is retried while Redis is unreachable, for up to `max_wait_s`
+    (None: until it is back), so a Redis restart costs a gap, never a dead source."""
+    first_gap: AudioGap | None = None
+    now = time.time()
+    total = len(pcm)
+    for start in range(0, total, MAX_ENTRY_BYTES):
+        piece = pcm[start : start + MAX_ENTRY_BYTES]
+        # Each piece's capture time: the frame ends now, so earlier pieces ended earlier.
+        after = (total - start - len(piece)) // 2 / SAMPLE_RATE
+        gap, chunk = clock.stamp(piece, now - after if clock.real_time else None)
+        if gap is not None:
+            first_gap = first_gap or gap
+            await retry_redis(functools.partial(bus.add_gap, gap), what=f"stream {clock.stream}",
+                              log=log, max_wait_s=max_wait_s)
+            try:  # counters are a view: one lost increment is not worth holding audio
+                await bus.incr_status(clock.stream, "gaps")
+                await bus.incr_status(clock.stream, "gap_seconds", gap.duration_s)
+            except RETRYABLE:
+                pass
+        await retry_redis(functools.partial(bus.add_audio, chunk), what=f"stream {clock.stream}",
+                          log=log, max_wait_s=max_wait_s)
+    return first_gap
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +189,7 @@ class IngestHost:
         return self._bus
 
     async def add_stream(self, opts: StreamOptions) -> None:
-        if opts.stream_id in self._tasks:
+        if opts.stream_id in self.streams():
             return
         self._state[opts.stream_id] = "starting"
         self._tasks[opts.stream_id] = asyncio.create_task(
@@ -183,7 +208,10 @@ class IngestHost:
         return dict(self._state)
 
     def streams(self) -> list[str]:
-        return list(self._tasks)
+        """Streams being ingested, or whose source ended: a task that died is not
+        listed, so the supervisor adds its stream again."""
+        return [s for s, t in self._tasks.items()
+                if not t.done() or self._state.get(s) == "ended"]
 
     async def stop(self) -> None:
         if self._reporter is not None:
@@ -199,8 +227,12 @@ class IngestHost:
 
     async def _set(self, stream: str, state: str, **fields: str | float | int) -> None:
         self._state[stream] = state
-        await self.bus.set_status(stream, source_state=state, ingest_actor=self.options.actor_id,
-                                  **fields)
+        try:  # status is a view: Redis being away must not stop the audio
+            await self.bus.set_status(stream, source_state=state,
+                                      ingest_actor=self.options.actor_id, **fields)
+        except RETRYABLE as exc:
+            log.warning("stream %s: status %s not written: %s", stream, state,
+                        type(exc).__name__)
 
     def _count(self, stream: str, counters: dict[str, float]) -> None:
         if self.metrics is None:
@@ -215,19 +247,22 @@ class IngestHost:
         if event.kind == "refused":
             log.warning("stream %s: %s", stream, event.detail)
             self._count(stream, {"source_refused": 1.0})
-            await self.bus.incr_status(stream, "source_refused")
-            await self.bus.set_status(stream, source_refused_last=event.detail)
+            with contextlib.suppress(*RETRYABLE):  # status is a view; Redis away is no crash
+                await self.bus.incr_status(stream, "source_refused")
+                await self.bus.set_status(stream, source_refused_last=event.detail)
             return
         # The audio after an idle spell or a gap is never glued to the audio before.
         clock.pending_reason = event.reason
         if event.kind == "idle":
             await self._set(stream, "idle", source_error="", source_note=event.detail)
         else:
-            await self.bus.set_status(stream, source_note=event.detail)
+            with contextlib.suppress(*RETRYABLE):
+                await self.bus.set_status(stream, source_note=event.detail)
 
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
-        pos, wall = await self.bus.last_audio_end(stream)
+        pos, wall = await retry_redis(lambda: self.bus.last_audio_end(stream),
+                                      what=f"stream {stream}", log=log)
         late = ingest_threshold(self.options.stall_s, self.options.stall_max_s)
         clock = AudioClock(stream, pos, last_wall=wall, reason="ingest-restart", late=late)
         attempt = 0
@@ -272,7 +307,8 @@ class IngestHost:
                 log.warning("stream %s: source error: %s", stream, exc)
                 clock.pending_reason = "source-error"
                 self._count(stream, {"source_reconnects": 1.0})
-                await self.bus.incr_status(stream, "source_reconnects")
+                with contextlib.suppress(*RETRYABLE):
+                    await self.bus.incr_status(stream, "source_reconnects")
                 await self._set(stream, "reconnecting", source_error=str(exc))
             except asyncio.CancelledError:
                 raise

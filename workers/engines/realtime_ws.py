@@ -19,7 +19,7 @@ import base64
 import contextlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import websockets
@@ -53,6 +53,8 @@ class RealtimeWsOptions:
     multilingual: bool = True
     connect_timeout_s: float = 10.0
     done_timeout_s: float = 20.0
+    token: str | None = field(default=None, repr=False)
+    """Sent as `Authorization: Bearer` (another Babelcast's publish token)."""
 
 
 class RealtimeWsEngine(SpeechEngine):
@@ -117,8 +119,9 @@ class RealtimeWsSession(RecognizeSession):
 
     async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
         try:
+            headers = {"Authorization": f"Bearer {self.opts.token}"} if self.opts.token else {}
             ws = await websockets.connect(self.opts.url, open_timeout=self.opts.connect_timeout_s,
-                                          max_size=2**22)
+                                          max_size=2**22, additional_headers=headers)
         except (OSError, websockets.InvalidHandshake, TimeoutError) as exc:
             raise EngineError(f"cannot reach realtime server: {type(exc).__name__}") from exc
         reader: asyncio.Task[None] | None = None

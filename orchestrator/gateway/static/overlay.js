@@ -13,6 +13,8 @@
  *   stale    seconds after which a lost connection or an old saved state is stale (30)
  *   since    seq to start from when this browser has no saved position (default: live)
  *   debug    1: show the connection state in the top-left corner
+ *   token    the viewer token (from the gateway's front page or `babelcast token`); it is
+ *            sent as the WebSocket subprotocol `bearer.TOKEN`, not in the socket's URL
  * Colours are hex without '#' (ff0000, ff000080), or any CSS colour (red, rgb(…)).
  *
  * Each language keeps its position (last seq) and what it shows in localStorage, so a
@@ -68,6 +70,7 @@
     hide: num("hide", 0, 0, 86400),
     stale: num("stale", 30, 1, 86400),
     since: params.get("since"),
+    token: params.get("token") || "",
     debug: params.get("debug") === "1"
   };
   cfg.outline = params.has("outline") ? params.get("outline") !== "0" : !cfg.bg;
@@ -222,7 +225,9 @@
     var url = proto + "//" + location.host + "/v1/streams/" + encodeURIComponent(stream) +
       "/captions?" + q.toString();
     var self = this;
-    var ws = new WebSocket(url);
+    // Browsers set no headers on a WebSocket: the token rides as a subprotocol.
+    var ws = cfg.token ? new WebSocket(url, ["babelcast", "bearer." + cfg.token])
+      : new WebSocket(url);
     this.ws = ws;
     this.setState("connecting");
     ws.onopen = function () {
@@ -245,6 +250,10 @@
   };
 
   Track.prototype.onError = function (msg) {
+    if (msg.code === "slow_client" || msg.code === "unavailable") {
+      this.immediate = true; // reconnect with since at once: nothing is lost
+      return;
+    }
     if (msg.code === "since_ahead") {
       // The stream's captions started over (a new event): our position means nothing.
       this.goLive();
@@ -252,12 +261,16 @@
       return;
     }
     console.warn("babelcast overlay: " + msg.code + ": " + msg.message);
+    // Kept until captions flow again: the state itself turns to "connecting" at once.
+    // (unauthorized / token_expired: the URL needs a new token.)
+    this.el.dataset.error = msg.code;
     this.setState("error", msg.code);
     this.attempt = 8; // a wrong stream or language: retry rarely
   };
 
   Track.prototype.onCaption = function (msg) {
     if (typeof msg.seq !== "number" || msg.seq <= this.lastSeq) return; // seen already
+    delete this.el.dataset.error;
     this.lastSeq = msg.seq;
     this.lastMsgAt = Date.now();
     this.liveEdge = false;

@@ -1,0 +1,284 @@
+"""Soak: `babelcast run` (tiny.en, N file streams, local redis-server child) for a long
+time while caption clients join and leave, with an ASR actor kill and a Redis restart
+taking turns every `--fault-every` minutes. Prints JSON.
+
+    .venv/bin/python -m bench.soak --minutes 60 --json [--streams 4] [--fault-every 15]
+
+Measured: RSS per process kind: first sample after warm-up → last, the growth over the
+second half of that span (a leak keeps growing, a process settling in does not) and a
+sample every 5 minutes. A process that was killed starts over, so its growth is measured
+from its replacement's first sample after a warm-up (every stream captioning again, then
+`WARMUP_S`): a restarted ASR actor is still loading its model and opening sessions for a
+while, and a sample taken then read as 130 % growth. Also finals lost (a final in the
+Stream that a client following it live never got), seq gaps and duplicates seen by those
+clients, and per fault the longest caption silence on any stream after it (fault → that
+stream's next caption); no fault is injected in the last two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import websockets
+
+from bench.system import ROOT, _descendants, _proc_table
+from orchestrator.redis_server import free_port
+from tests.speech import AUDIO
+
+WARMUP_S = 30.0
+"""After the start and after a process is replaced: models loaded, sessions open, the
+first captions out, before its RSS counts."""
+FAULT_MARGIN_S = 120.0
+"""No fault this close to the end."""
+SERIES_EVERY_S = 300.0
+KINDS = {"redis-server": "redis-server", "ray::AsrActor": "asr-actor",
+         "ray::IngestActor": "ingest-actor", "raylet": "raylet", "gcs_server": "gcs",
+         "orchestrator.cli": "babelcast-run"}
+
+
+def _rss_by_kind(root: int) -> dict[str, tuple[int, float]]:
+    """kind → (pid, RSS MB) of the biggest process of that kind under root."""
+    parents, _ = _proc_table()
+    out: dict[str, tuple[int, float]] = {}
+    for pid in _descendants(root, parents):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        kind = next((k for needle, k in KINDS.items() if needle in cmd), None)
+        if kind is None:
+            continue
+        rss = next((int(line.split()[1]) / 1024 for line in status.splitlines()
+                    if line.startswith("VmRSS:")), 0.0)
+        if kind not in out or rss > out[kind][1]:
+            out[kind] = (pid, rss)
+    return out
+
+
+class Auditor:
+    """Follows one stream's captions from seq 0, reconnecting with `since`."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seqs: list[int] = []
+        self.finals: set[int] = set()
+        self.times: list[float] = []
+        self.reconnects = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            since = self.seqs[-1] if self.seqs else 0
+            try:
+                async with websockets.connect(f"{self.url}&since={since}") as ws:
+                    while not stop.is_set():
+                        try:
+                            msg = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
+                        except TimeoutError:
+                            continue
+                        if msg.get("type") != "caption":
+                            continue
+                        self.seqs.append(msg["seq"])
+                        self.times.append(time.time())
+                        if msg["is_final"]:
+                            self.finals.add(msg["seq"])
+            except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
+                self.reconnects += 1
+                await asyncio.sleep(0.5)
+
+
+class Warmup:
+    """Keeps a process's RSS samples out until it is warm: the processes seen first are
+    (the soak starts after a warm-up); a new pid of a kind (a replacement after a kill)
+    once every stream has captioned again after it appeared, and `WARMUP_S` more."""
+
+    def __init__(self, auditors: Any) -> None:
+        self.auditors = list(auditors)
+        self.born: dict[int, float] = {}
+        self.warm: set[int] = set()
+        self.first = True
+        self.warmups_s: list[float] = []
+
+    def filter(self, sample: dict[str, tuple[int, float]]) -> dict[str, tuple[int, float]]:
+        now = time.time()
+        out = {}
+        for kind, (pid, mb) in sample.items():
+            if self.first:
+                self.warm.add(pid)
+            elif pid not in self.warm:
+                born = self.born.setdefault(pid, now)
+                captioning = all(any(t > born for t in a.times[-1:]) for a in self.auditors)
+                if not (captioning and now - born >= WARMUP_S):
+                    continue
+                self.warm.add(pid)
+                self.warmups_s.append(round(now - born, 1))
+            out[kind] = (pid, mb)
+        self.first = False
+        return out
+
+
+async def churn(base: str, streams: list[str], stop: asyncio.Event) -> int:
+    """Clients that join, read a little and leave."""
+    joined = 0
+    while not stop.is_set():
+        s = random.choice(streams)
+        try:
+            async with websockets.connect(f"{base}/v1/streams/{s}/captions?lang=en"):
+                joined += 1
+                await asyncio.sleep(random.uniform(0.5, 5.0))
+        except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
+            await asyncio.sleep(1.0)
+    return joined
+
+
+async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[str, Any]:
+    tmp = Path(tempfile.mkdtemp(prefix="babelcast-soak-"))
+    port = free_port()
+    admin = secrets.token_urlsafe(32)
+    sources = [AUDIO / "room-a.flac", AUDIO / "room-b.flac"]
+    lines = ["event: soak", "engine: {kind: embedded, model: tiny.en, actors: 1, "
+             f"streams_per_actor: {n_streams}}}", "streams:"]
+    ids = [f"room-{i}" for i in range(n_streams)]
+    for i, sid in enumerate(ids):
+        lines.append(f"  - {{id: {sid}, source: \"{sources[i % 2]}\", loop: true, "
+                     "language: en}")
+    lines += [f"gateway: {{host: 127.0.0.1, port: {port}}}",
+              f"redis: {{data_dir: \"{tmp / 'redis'}\"}}",
+              "auth: {admin_token_env: SOAK_ADMIN, viewers: public}"]
+    cfg = tmp / "soak.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    log = (tmp / "run.log").open("wb")
+    proc = subprocess.Popen(  # noqa: ASYNC220 - a long-lived child, not awaited
+        [sys.executable, "-m", "orchestrator.cli", "run", str(cfg), "--plain",
+         "--duration", str(minutes * 60 + 600)], stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env={**os.environ, "SOAK_ADMIN": admin})
+    base = f"http://127.0.0.1:{port}"
+    ws_base = base.replace("http://", "ws://")
+    result: dict[str, Any] = {"minutes": minutes, "streams": n_streams,
+                              "fault_every_min": fault_every_min, "faults": []}
+    try:
+        async with httpx.AsyncClient(base_url=base) as http:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"babelcast run did not start; see {tmp / 'run.log'}")
+                try:
+                    if (await http.get("/healthz", timeout=2)).status_code == 200 and _rss_by_kind(
+                            proc.pid).get("asr-actor"):
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1)
+        stop = asyncio.Event()
+        auditors = {s: Auditor(f"{ws_base}/v1/streams/{s}/captions?lang=en") for s in ids}
+        tasks = [asyncio.create_task(a.run(stop)) for a in auditors.values()]
+        churners = [asyncio.create_task(churn(ws_base, ids, stop)) for _ in range(4)]
+        await asyncio.sleep(WARMUP_S)  # models loaded, first captions out
+        warm = Warmup(auditors.values())
+        rss_samples = [warm.filter(_rss_by_kind(proc.pid))]
+        started = time.monotonic()
+        next_fault = started + fault_every_min * 60
+        fault_kind = "asr-actor"
+        while time.monotonic() - started < minutes * 60:
+            await asyncio.sleep(5)
+            raw = _rss_by_kind(proc.pid)
+            rss_samples.append(warm.filter(raw))
+            # A fault needs time after it to be measured (silence, a warm replacement).
+            if time.monotonic() >= next_fault and (
+                    started + minutes * 60 - time.monotonic() >= FAULT_MARGIN_S):
+                target = raw.get(fault_kind)
+                at = time.time()
+                if target is not None:
+                    os.kill(target[0], signal.SIGKILL)
+                result["faults"].append({"kind": fault_kind, "at": at})
+                fault_kind = "redis-server" if fault_kind == "asr-actor" else "asr-actor"
+                next_fault += fault_every_min * 60
+        ended = time.monotonic()
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        joined = sum(r for r in await asyncio.gather(*churners, return_exceptions=True)
+                     if isinstance(r, int))
+        # What the Stream holds, read back from seq 0, against what the clients saw live.
+        lost = gaps = dups = 0
+        for sid, a in auditors.items():
+            replay: list[dict[str, Any]] = []
+            async with websockets.connect(f"{ws_base}/v1/streams/{sid}/captions?lang=en"
+                                          "&since=0") as ws:
+                last_seen = max(a.seqs, default=0)
+                while not replay or replay[-1].get("seq", 0) < last_seen:
+                    try:  # the streams go on: read up to what the auditor saw
+                        replay.append(json.loads(await asyncio.wait_for(ws.recv(), 5.0)))
+                    except TimeoutError:
+                        break
+            stream_finals = {m["seq"] for m in replay if m.get("is_final")}
+            lost += len({s for s in stream_finals if s <= max(a.seqs, default=0)}
+                        - a.finals)
+            gaps += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y > x + 1)
+            dups += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y <= x)
+        for fault in result["faults"]:
+            silences: list[float] = []
+            for a in auditors.values():
+                after = [t for t in a.times if t > fault["at"]]
+                silences.append(round(after[0] - fault["at"], 1) if after else float("inf"))
+            worst = max(silences, default=float("inf"))
+            fault["longest_caption_silence_s"] = None if worst == float("inf") else worst
+        growth: dict[str, Any] = {}
+        every = max(1, int(SERIES_EVERY_S / 5))  # samples are 5 s apart
+        for kind in KINDS.values():
+            series = [(s[kind][0], s[kind][1]) for s in rss_samples if kind in s]
+            if not series:
+                continue
+            last_pid = series[-1][0]
+            same = [mb for pid, mb in series if pid == last_pid]
+            half = same[len(same) // 2]
+            growth[kind] = {"first_mb": round(same[0], 1), "last_mb": round(same[-1], 1),
+                            "growth_pct": round(100 * (same[-1] - same[0]) / same[0], 1),
+                            # A leak keeps growing; a process settling in does not.
+                            "second_half_growth_pct": round(100 * (same[-1] - half) / half, 1),
+                            "every_5_min_mb": [round(mb, 1) for mb in same[::every]],
+                            "measured_minutes": round(len(same) * 5 / 60, 1)}
+        result.update(ran_minutes=round((ended - started) / 60, 1), rss=growth,
+                      replacement_warmups_s=warm.warmups_s, finals_lost=lost, seq_gaps=gaps,
+                      seq_duplicates=dups,
+                      finals_seen=sum(len(a.finals) for a in auditors.values()),
+                      auditor_reconnects=sum(a.reconnects for a in auditors.values()),
+                      churn_clients=joined)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=60.0)
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--fault-every", type=float, default=15.0, metavar="MIN",
+                   help="minutes between faults (ASR actor kill, Redis restart, in turn)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = asyncio.run(soak(args.minutes, args.streams, args.fault_every))
+    print(json.dumps(out, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
