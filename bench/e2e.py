@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, play  # noqa: E402
 from bench.report import emit  # noqa: E402
-from bench.system import babelcast_run, pct  # noqa: E402
+from bench.system import babelcast_run, client_headers, pct  # noqa: E402
 from tests.speech import (  # noqa: E402 - shared speech helpers
     Talk,
     heldout_talks,
@@ -64,7 +64,7 @@ def talks(speech: str) -> list[Talk]:
 async def _client(base: str, stream: str, lang: str, leg: Leg,
                   out: list[tuple[float, dict[str, Any]]], done: asyncio.Event) -> None:
     url = base.replace("http://", "ws://") + f"/v1/streams/{stream}/captions?lang={lang}&since=0"
-    async with websockets.connect(url) as ws:
+    async with websockets.connect(url, additional_headers=client_headers(base)) as ws:
         while not done.is_set():
             try:
                 raw = await asyncio.wait_for(ws.recv(), 0.5)
@@ -119,7 +119,9 @@ async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any
         clients = [asyncio.create_task(_client(base, s, "en", legs[s], received[s], done))
                    for s in ids]
         ws_base = base.replace("http://", "ws://")
-        senders = [await websockets.connect(f"{ws_base}/v1/streams/{s}/audio") for s in ids]
+        senders = [await websockets.connect(f"{ws_base}/v1/streams/{s}/audio",
+                                           additional_headers=server.headers("publish", s))
+                   for s in ids]
         await asyncio.sleep(0.5)  # the caption sockets are open before the first audio
         cpu_start = server.cpu_s()
         await asyncio.gather(*(play(ws.send, pcm, CHUNK, legs[s].sent, bytes)

@@ -95,7 +95,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
         done = asyncio.Event()
 
         async def captions() -> None:
-            async with websockets.connect(f"{ws_base}/captions?lang=en&since=0") as ws:
+            async with websockets.connect(f"{ws_base}/captions?lang=en&since=0",
+                                          additional_headers=server.headers()) as ws:
                 while not done.is_set():
                     try:
                         raw = await asyncio.wait_for(ws.recv(), 0.5)
@@ -111,7 +112,9 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
                         leg.finals.append((now, float(msg["audio_end_s"]), msg["text"]))
 
         reader = asyncio.create_task(captions())
-        async with websockets.connect(f"{ws_base}/audio") as audio_ws:
+        async with websockets.connect(f"{ws_base}/audio",
+                                      additional_headers=server.headers("publish", "talk")
+                                      ) as audio_ws:
             await asyncio.sleep(0.5)  # the captions socket is open before the first audio
             asr0 = server.asr_actor_cpu_s()
             cpu0 = server.cpu_s()

@@ -67,8 +67,10 @@ engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 2}}
 streams:
 {streams}
 gateway: {{host: 127.0.0.1, port: {port}}}
+auth: {{admin_token_env: LANGUAGES_ADMIN_TOKEN, viewers: public}}
 """)
-    ev = start_event(cfg, port)
+    # Captions are public here (tests/test_auth.py covers viewer tokens).
+    ev = start_event(cfg, port, {"LANGUAGES_ADMIN_TOKEN": "languages-admin-token-0123456789"})
     yield ev
     stop_event(ev)
 
