@@ -58,6 +58,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # A whole-utterance decode at each pause is the final; agreement drives partials only.
     "utterance": {"final_pass": "utterance"},
     "utterance-beam5": {"final_pass": "utterance", "final_beam_size": 5},
+    # The final pass on the interims' 10 s encoder input instead of Whisper's 30 s.
+    "utterance-10s": {"final_pass": "utterance", "final_encode_s": 10.0},
 }
 
 

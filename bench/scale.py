@@ -77,9 +77,9 @@ class _TimedSession(EmbeddedWhisperSession):
         super().__init__(engine, options)
         self._log = log
 
-    async def _decode(self, start: int, beam: int,
-                      end: int | None = None) -> tuple[list[Word], list[float]]:
-        out = await super()._decode(start, beam, end)
+    async def _decode(self, start: int, beam: int, end: int | None = None, *,
+                      final: bool = False) -> tuple[list[Word], list[float]]:
+        out = await super()._decode(start, beam, end, final=final)
         self._log.append(Decode(self.options.stream_id, self._buf_end_s, time.time()))
         return out
 

@@ -41,12 +41,15 @@ class LoggedEngine(EmbeddedWhisperEngine):
     def __init__(self, options: EmbeddedEngineOptions) -> None:
         super().__init__(options)
         self.decodes: list[tuple[int, tuple[Word, ...]]] = []
+        self.encode_frames: list[tuple[int, int]] = []
         self.sessions: list[EmbeddedWhisperSession] = []
 
-    async def decode(self, audio: Any, offset_s: float, language: str | None,
-                     beam: int) -> tuple[list[Word], list[float], str | None]:
-        words, probs, lang = await super().decode(audio, offset_s, language, beam)
+    async def decode(self, audio: Any, offset_s: float, language: str | None, beam: int,
+                     min_encode_frames: int = 1000) -> tuple[list[Word], list[float], str | None]:
+        words, probs, lang = await super().decode(audio, offset_s, language, beam,
+                                                  min_encode_frames)
         self.decodes.append((beam, tuple(words)))
+        self.encode_frames.append((beam, min_encode_frames))
         return words, probs, lang
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
@@ -151,6 +154,9 @@ def test_final_text_comes_from_the_whole_utterance_pass_not_from_agreement(
         if d.committed and not d.end_of_utterance:
             assert ends_sentence(d.committed[-1].text)
     assert any(d.tentative for d in played.deltas), "no partials while speaking"
+    # The final pass reads Whisper's full 30 s input; interims the 10 s shortcut.
+    assert {f for beam, f in played.engine.encode_frames if beam == FINAL_BEAM} == {3000}
+    assert {f for beam, f in played.engine.encode_frames if beam != FINAL_BEAM} == {1000}
 
 
 def test_every_word_is_finalised_once_in_order(runs: dict[str, Any]) -> None:
