@@ -44,13 +44,12 @@ class LoggedEngine(EmbeddedWhisperEngine):
         self.encode_frames: list[tuple[int, int]] = []
         self.sessions: list[EmbeddedWhisperSession] = []
 
-    async def decode(self, audio: Any, offset_s: float, language: str | None, beam: int,
+    def _decode_sync(self, audio: Any, offset_s: float, language: str | None, beam: int,
                      min_encode_frames: int = 1000) -> tuple[list[Word], list[float], str | None]:
-        words, probs, lang = await super().decode(audio, offset_s, language, beam,
-                                                  min_encode_frames)
-        self.decodes.append((beam, tuple(words)))
+        out = super()._decode_sync(audio, offset_s, language, beam, min_encode_frames)
+        self.decodes.append((beam, tuple(out[0])))
         self.encode_frames.append((beam, min_encode_frames))
-        return words, probs, lang
+        return out
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         session = super().open_session(options)

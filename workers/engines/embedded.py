@@ -13,7 +13,7 @@ Streaming policy (per session):
     decoded once more (with `final_beam_size`) and that decode is committed; the agreed
     words were only ever partials. Agreement on 1 s steps commits words cut at the
     window's edge ("ill sposed"), which a whole-utterance decode does not: measured with
-    `bench.accuracy` (README, *Accuracy*). A sentence that ends inside a running utterance
+    `bench.accuracy` (README, *Benchmarks*). A sentence that ends inside a running utterance
     is finalised without waiting for the pause, once the interims show its end
     `part_edge_s` before the newest audio: a whole-utterance decode is committed up to the
     last sentence end that far from its end (waiting for the pause made finals of long
@@ -30,6 +30,8 @@ two concurrent decodes only slow each other down.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,6 +92,43 @@ class DecodeStats:
     busy_s: float = 0.0
 
 
+class DecodeGate:
+    """One decode at a time on the engine's thread, finals before interims.
+
+    The sessions of an actor share one decode thread. In arrival order a final (the
+    decode a reader waits for) could queue behind every other stream's interim; here it
+    goes next. Equal priorities keep their arrival order, so no interim waits forever
+    while finals keep coming from at most one pause per stream."""
+
+    FINAL, INTERIM = 0, 1
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if not self._busy and not self._waiting:
+            self._busy = True
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority, next(self._order), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed the thread just as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, fut = heapq.heappop(self._waiting)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._busy = False
+
+
 class EmbeddedWhisperEngine(SpeechEngine):
     def __init__(self, options: EmbeddedEngineOptions) -> None:
         self.options = options
@@ -97,6 +136,7 @@ class EmbeddedWhisperEngine(SpeechEngine):
         self._model: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._stats = DecodeStats()
+        self._gate = DecodeGate()
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -143,15 +183,25 @@ class EmbeddedWhisperEngine(SpeechEngine):
 
     async def decode(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int,
-        min_encode_frames: int = MIN_ENCODE_FRAMES,
+        final: bool = False,
     ) -> tuple[list[Word], list[float], str | None]:
-        """Words (absolute times), each word's probability, and the detected language."""
+        """Words (absolute times), each word's probability, and the detected language.
+        `final`: a final pass (Whisper's `final_encode_s` input, ahead of interims)."""
         if self._pool is None:
             raise EngineError("engine closed")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._pool, self._decode_sync, audio, offset_s, language, beam, min_encode_frames
-        )
+        min_encode_frames = round(self.options.final_encode_s * 100) if final else (
+            MIN_ENCODE_FRAMES)
+        await self._gate.acquire(DecodeGate.FINAL if final else DecodeGate.INTERIM)
+        try:
+            pool = self._pool
+            if pool is None:
+                raise EngineError("engine closed")
+            return await loop.run_in_executor(
+                pool, self._decode_sync, audio, offset_s, language, beam, min_encode_frames
+            )
+        finally:
+            self._gate.release()
 
     def _decode_sync(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int,
@@ -322,9 +372,8 @@ class EmbeddedWhisperSession(RecognizeSession):
                       final: bool = False) -> tuple[list[Word], list[float]]:
         """Decode the buffer from stream sample `start` to `end` (None: its end)."""
         audio = self._buf[start - self._buf_pos : None if end is None else end - self._buf_pos]
-        frames = round(self.opts.final_encode_s * 100) if final else MIN_ENCODE_FRAMES
         words, probs, lang = await self.engine.decode(
-            audio.copy(), start / SAMPLE_RATE, self._language, beam, frames
+            audio.copy(), start / SAMPLE_RATE, self._language, beam, final
         )
         self._new_since_decode = 0
         if self.options.language == "auto" and lang:
