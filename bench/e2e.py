@@ -1,17 +1,23 @@
 """End-to-end benchmark: N streams of the reference speech through the whole system.
 
-    python -m bench.e2e --json [--streams 2] [--model whisper-base] [--plot FILE]
+    python -m bench.e2e --json [--streams 2] [--model whisper-base] [--speech heldout]
 
-Starts `babelcast run` (local redis-server child, local Ray, embedded engine,
-gateway) on a generated event whose N streams each play the five LibriVox
-utterances once, connects one WebSocket client per stream before the audio
-starts, and measures what the clients receive:
+Starts `babelcast run` (local redis-server child, local Ray, embedded engine, gateway) on a
+generated event with N `source: push` streams, connects one caption WebSocket per stream,
+then plays the speech (`reference`: the five LibriVox utterances the project was tuned on;
+`heldout`: recordings in no file of this repository, `tests.speech.heldout_talks()`) into
+every stream at once, in real time, over `/v1/streams/{id}/audio`, logging when each chunk
+left. It listens until nothing is open and nothing has arrived for a few seconds
+(bench.playback.drain), and measures what the clients received:
 
 - `wer`: word error rate of the joined finals against the reference text (all streams pooled);
-- `engine_offline_wer`: the same model on the whole file, not streamed (after the run, so it
-  does not compete for CPU);
-- `partial_latency_*` / `final_latency_*`: client receipt time minus the capture time of the
-  audio at the end of the caption's last word (`audio_end_wall`, stamped by ingest);
+- `engine_offline_wer`: the same model on the whole recording, not streamed (greedy, after
+  the run, so it does not compete for CPU);
+- `partial_latency_*` / `final_latency_*`: client receipt time minus the time the bench sent
+  the chunk holding the end of the caption's last word (the sender's clock: ingest, Redis
+  and the gateway are inside the figure);
+- `open_at_end`: streams whose last caption was still a partial when the bench stopped
+  listening (a final that never came); `drain_s`: how long it listened after the audio;
 - `finals_revised`: publications of a segment after its final (must be 0);
 - `rtf`: the engine's decode-thread busy seconds per second of stream audio (all streams);
   `cpu_s_per_audio_s`: CPU seconds of the whole process tree (gateway, Ray, actors) and
@@ -23,91 +29,112 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import websockets
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, play  # noqa: E402
 from bench.report import emit  # noqa: E402
-from bench.system import babelcast_run, pct  # noqa: E402
-from tests.speech import (  # noqa: E402 - shared reference-speech helpers
+from bench.system import babelcast_run, client_headers, pct  # noqa: E402
+from tests.speech import (  # noqa: E402 - shared speech helpers
+    Talk,
+    heldout_talks,
     normalize,
-    reference_text,
-    write_reference_wav,
+    reference_talk,
 )
+from workers.events import SAMPLE_RATE  # noqa: E402
+
+CHUNK = SAMPLE_RATE // 10
 
 
-async def _client(base: str, stream: str, lang: str, out: list[tuple[float, dict[str, Any]]],
-                  done: asyncio.Event) -> None:
+def talks(speech: str) -> list[Talk]:
+    return [reference_talk()] if speech == "reference" else heldout_talks()
+
+
+async def _client(base: str, stream: str, lang: str, leg: Leg,
+                  out: list[tuple[float, dict[str, Any]]], done: asyncio.Event) -> None:
     url = base.replace("http://", "ws://") + f"/v1/streams/{stream}/captions?lang={lang}&since=0"
-    async with websockets.connect(url) as ws:
+    async with websockets.connect(url, additional_headers=client_headers(base)) as ws:
         while not done.is_set():
             try:
-                raw = await asyncio.wait_for(ws.recv(), 1.0)
+                raw = await asyncio.wait_for(ws.recv(), 0.5)
             except TimeoutError:
                 continue
-            out.append((time.time(), json.loads(raw)))
+            now = time.time()
+            msg = json.loads(raw)
+            out.append((now, msg))
+            if msg.get("type") == "caption":
+                leg.last_message = now
+                leg.open_text = "" if msg["is_final"] else msg["text"]
 
 
-async def _wait_ended(base: str, streams: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=base) as http:
-        while time.monotonic() < deadline:
-            states = [(await http.get(f"/v1/streams/{s}")).json()["status"] for s in streams]
-            if all(st.get("source_state") == "ended" for st in states):
-                return
-            await asyncio.sleep(1.0)
-    raise TimeoutError("sources did not end in time")
-
-
-def _offline_wer(model: str, wav: Path) -> float:
+def _offline_wer(model: str, chosen: list[Talk]) -> float:
+    """The same model on each whole recording (greedy), pooled over the recordings."""
     import jiwer
 
     from workers.engines.models import load_whisper
 
-    with wave.open(str(wav)) as w:
-        audio = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32)
     whisper = load_whisper(model, cpu_threads=2)
-    segments, _ = whisper.transcribe(audio / 32768.0, language="en", beam_size=1,
-                                     vad_filter=False, condition_on_previous_text=False)
-    return float(jiwer.wer(normalize(reference_text()), normalize(" ".join(
-        s.text for s in segments))))
+    refs, hyps = [], []
+    for t in chosen:
+        audio = np.frombuffer(t.pcm, dtype="<i2").astype(np.float32) / 32768.0
+        segments, _ = whisper.transcribe(audio, language="en", beam_size=1,
+                                         vad_filter=False, condition_on_previous_text=False)
+        refs.append(normalize(t.text))
+        hyps.append(normalize(" ".join(s.text for s in segments)))
+    return float(jiwer.wer(" ".join(refs), " ".join(hyps)))
 
 
-async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
+async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any]:
     import jiwer
 
-    wav = write_reference_wav(tmp / "talk.wav", lead_in_s=3.0)
-    with wave.open(str(wav)) as w:
-        audio_s = w.getnframes() / w.getframerate()
+    chosen = talks(speech)
+    lead = bytes(2 * int(LEAD_IN_S * SAMPLE_RATE))
+    tail = bytes(2 * int(TAIL_S * SAMPLE_RATE))
+    pcm = lead + b"".join(t.pcm + tail for t in chosen)
+    text = " ".join(t.text for t in chosen)
+    audio_s = len(pcm) / 2 / SAMPLE_RATE
     ids = [f"room-{i}" for i in range(streams)]
     lines = [
         "event: bench e2e",
         f"engine: {{kind: embedded, model: {model}, actors: 1, streams_per_actor: {streams}}}",
         "streams:",
-        *[f'  - {{id: {s}, source: "{wav}", language: en}}' for s in ids],
+        *[f"  - {{id: {s}, source: push, language: en}}" for s in ids],
     ]
+    legs = {s: Leg(s) for s in ids}
+    received: dict[str, list[tuple[float, dict[str, Any]]]] = {s: [] for s in ids}
     async with babelcast_run(lines, tmp) as server:
         base, redis = server.base, server.redis
-        received: dict[str, list[tuple[float, dict[str, Any]]]] = {s: [] for s in ids}
         done = asyncio.Event()
-        clients = [asyncio.create_task(_client(base, s, "en", received[s], done)) for s in ids]
+        clients = [asyncio.create_task(_client(base, s, "en", legs[s], received[s], done))
+                   for s in ids]
+        ws_base = base.replace("http://", "ws://")
+        senders = [await websockets.connect(f"{ws_base}/v1/streams/{s}/audio",
+                                           additional_headers=server.headers("publish", s))
+                   for s in ids]
+        await asyncio.sleep(0.5)  # the caption sockets are open before the first audio
         cpu_start = server.cpu_s()
-        await _wait_ended(base, ids, audio_s + 120)
-        await asyncio.sleep(4.0)  # the last pause closes the last caption
+        await asyncio.gather(*(play(ws.send, pcm, CHUNK, legs[s].sent, bytes)
+                               for s, ws in zip(ids, senders, strict=True)))
+        audio_end = time.time()
+        drained = [asyncio.Event() for _ in ids]
+        await asyncio.gather(*(drain(legs[s], ev) for s, ev in zip(ids, drained, strict=True)))
+        drain_s = time.time() - audio_end
         cpu_used = server.cpu_s() - cpu_start
         done.set()
         await asyncio.gather(*clients, return_exceptions=True)
+        for ws in senders:
+            await ws.close()
         engine = {k: float(v) for k, v in redis.hgetall("actor:asr-0").items()
                   if k != "updated"}
         session_counters: dict[str, float] = {}
@@ -130,21 +157,24 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
                 continue
             if msg["segment_id"] in final_ids:
                 finals_revised += 1
-            latency = recv_t - msg["audio_end_wall"]
+            if not msg["text"]:
+                continue
+            latency = recv_t - legs[s].sent.wall_of(float(msg["audio_end_s"]))
             if msg["is_final"]:
                 final_ids.add(msg["segment_id"])
-                if msg["text"]:
-                    final_lat.append(latency)
-                    texts.append(msg["text"])
+                final_lat.append(latency)
+                texts.append(msg["text"])
             else:
                 partial_lat.append(latency)
         hyps.append(normalize(" ".join(texts)))
-    ref = normalize(reference_text())
+    ref = normalize(text)
     wer = float(jiwer.wer([ref] * len(ids), hyps))
     return {
         "streams": streams,
         "model": model,
+        "speech": [t.name for t in chosen],
         "audio_s_per_stream": round(audio_s, 2),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
         "wer": round(wer, 4),
         "wer_per_stream": [round(float(jiwer.wer(ref, h)), 4) for h in hyps],
         "partial_latency_p50_s": pct(partial_lat, 0.5),
@@ -155,11 +185,13 @@ async def run(streams: int, model: str, tmp: Path) -> dict[str, Any]:
         "finals": len(final_lat),
         "partials": len(partial_lat),
         "finals_revised": finals_revised,
+        "open_at_end": sum(1 for leg in legs.values() if leg.open_text.strip()),
+        "drain_s": round(drain_s, 1),
         "session_counters": session_counters,
         "rtf": round(engine.get("decode_busy_s", 0.0) / (audio_s * streams), 3),
         "engine_decode_calls": int(engine.get("decode_calls", 0)),
         "cpu_s_per_audio_s": round(cpu_used / (audio_s * streams), 3),
-        "_wav": str(wav),
+        "_talks": chosen,
         "_final_lat": final_lat,
         "_partial_lat": partial_lat,
     }
@@ -169,15 +201,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=2)
     ap.add_argument("--model", default="whisper-base", choices=["whisper-base", "tiny.en"])
+    ap.add_argument("--speech", default="reference", choices=["reference", "heldout"],
+                    help="reference: the tuning set; heldout: speech in no file of the repo")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--plot", default=None, help="write a latency plot (PNG) here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-        result = asyncio.run(run(args.streams, args.model, Path(tmp)))
-        result["engine_offline_wer"] = round(_offline_wer(args.model, Path(result["_wav"])), 4)
+        result = asyncio.run(run(args.streams, args.model, args.speech, Path(tmp)))
+    result["engine_offline_wer"] = round(_offline_wer(args.model, result.pop("_talks")), 4)
+    result["wer_minus_offline"] = round(result["wer"] - result["engine_offline_wer"], 4)
     final_lat = result.pop("_final_lat")
     partial_lat = result.pop("_partial_lat")
-    result.pop("_wav")
     if args.plot:
         import matplotlib
 

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.report import emit  # noqa: E402
-from bench.system import babelcast_run, pct  # noqa: E402
+from bench.system import babelcast_run, client_headers, pct  # noqa: E402
 from tests.ingest_support import (  # noqa: E402 - the encoders the ingest tests use
     BEEP_AT_S,
     SRT_PASSPHRASE,
@@ -94,7 +94,8 @@ class PacedSender:
 async def ws_push(base: str, stream: str, pcm: bytes) -> PacedSender:
     sender = PacedSender()
     url = base.replace("http://", "ws://") + f"/v1/streams/{stream}/audio"
-    async with websockets.connect(url) as ws:
+    async with websockets.connect(url, additional_headers=client_headers(base, "publish",
+                                                                         stream)) as ws:
         await sender.play(pcm, ws.send)
     return sender
 
@@ -104,7 +105,8 @@ async def realtime(base: str, stream: str, pcm: bytes, model: str,
     """`at_end`: awaited when the audio is sent, before waiting for transcription.done."""
     sender = PacedSender()
     url = base.replace("http://", "ws://") + f"/v1/realtime?stream={stream}"
-    async with websockets.connect(url) as ws:
+    async with websockets.connect(url, additional_headers=client_headers(base, "publish",
+                                                                         stream)) as ws:
         await ws.recv()  # session.created
         await ws.send(json.dumps({"type": "session.update", "model": model}))
         await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": False}))

@@ -1,10 +1,12 @@
 """Peer benchmark: the same real speech through Babelcast and through WhisperLive.
 
-    python -m bench.peer --json [--repeat 3] [--threads 2] [--plot FILE]
+    python -m bench.peer --json [--repeat 3] [--rounds 2] [--speech heldout] [--plot FILE]
 
-Plays the five LibriVox reference utterances (`examples/audio/`, repeated `--repeat`
-times, after 1 s of silence and followed by 3 s of silence) in real time, in chunks of
-`--chunk-ms`, first to Babelcast, then to WhisperLive, in one run:
+Plays the speech (`reference`: the five LibriVox utterances the project was tuned on,
+repeated `--repeat` times; `heldout`: recordings in no file of this repository,
+`tests.speech.heldout_talks()`), after 1 s of silence and followed by 3 s of silence, in
+real time, in chunks of `--chunk-ms`, to each system in turn, over `--rounds` rounds that
+alternate the order (round 1 Babelcast first, round 2 WhisperLive first, ...):
 
 - **Babelcast**: `babelcast run` (local redis-server, local Ray, the embedded engine:
   Whisper base through faster-whisper, `--threads` CPU threads, int8) on an event with
@@ -22,13 +24,20 @@ times, after 1 s of silence and followed by 3 s of silence) in real time, in chu
   keeping completed segments (a completed segment is kept when it starts at or after the
   end of the last one kept).
 
-Measured identically for both:
+Decoding is not the same and the output says how (`decoding`): WhisperLive decodes with
+its defaults (beam 5, best of 5, temperature fallback, previous text as the prompt);
+Babelcast with its defaults (greedy interims, final pass with `final_beam_size`);
+`--babelcast-final-beam 5` runs Babelcast's final pass with beam 5 as well.
+
+Measured identically for both, pooled over the rounds:
 
 - `wer`: the final (completed) segments joined, against the reference text, both sides
   normalised by `tests.speech.normalize`;
 - `final_latency_p50_s` / `_p95_s`: wall time at which a final arrives minus the wall time
-  at which the chunk holding the audio at its end was sent (the engine's own audio time for
-  the end: Babelcast's last word, WhisperLive's segment end);
+  at which the chunk holding the end of its last word was sent. One definition of that end
+  for both systems, independent of either's own timestamps: the final's words are aligned
+  to the reference text, and its last matched reference word ends where an offline pass of
+  the same model with word timestamps (beam 5, after the rounds) puts it;
 - `cpu_s_per_audio_s`: CPU seconds (user + system, /proc) of the server's processes from the
   first chunk to `--settle` seconds after the last one, per second of audio. For Babelcast
   that is everything `babelcast run` starts (gateway, Ray, ingest and ASR actors) plus its
@@ -41,6 +50,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -52,11 +62,17 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.playback import Leg, drain, play, reference_talk  # noqa: E402
+from bench.alignment import (  # noqa: E402
+    TimedToken,
+    align,
+    matched_ref_index,
+    reference_times,
+)
+from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, play, reference_talk  # noqa: E402
 from bench.report import emit  # noqa: E402
 from bench.system import babelcast_run, pct  # noqa: E402
 from bench.whisperlive_peer import PEER_INSTALL, run_whisperlive  # noqa: E402
-from tests.speech import normalize  # noqa: E402
+from tests.speech import heldout_talks, normalize  # noqa: E402
 from workers.engines.embedded import EmbeddedEngineOptions  # noqa: E402
 from workers.events import SAMPLE_RATE  # noqa: E402
 
@@ -70,7 +86,7 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
     lines = [
         "event: bench peer",
         f"engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 1, "
-        f"cpu_threads: {args.threads}}}",
+        f"cpu_threads: {args.threads}, final_beam_size: {args.babelcast_final_beam}}}",
         "streams:",
         "  - {id: talk, source: push, language: en}",
     ]
@@ -79,7 +95,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
         done = asyncio.Event()
 
         async def captions() -> None:
-            async with websockets.connect(f"{ws_base}/captions?lang=en&since=0") as ws:
+            async with websockets.connect(f"{ws_base}/captions?lang=en&since=0",
+                                          additional_headers=server.headers()) as ws:
                 while not done.is_set():
                     try:
                         raw = await asyncio.wait_for(ws.recv(), 0.5)
@@ -95,7 +112,9 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
                         leg.finals.append((now, float(msg["audio_end_s"]), msg["text"]))
 
         reader = asyncio.create_task(captions())
-        async with websockets.connect(f"{ws_base}/audio") as audio_ws:
+        async with websockets.connect(f"{ws_base}/audio",
+                                      additional_headers=server.headers("publish", "talk")
+                                      ) as audio_ws:
             await asyncio.sleep(0.5)  # the captions socket is open before the first audio
             asr0 = server.asr_actor_cpu_s()
             cpu0 = server.cpu_s()
@@ -107,7 +126,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
         await reader
         engine = server.redis.hgetall("actor:asr-0")
         status = server.redis.hgetall("status:talk")
-    opts = EmbeddedEngineOptions(cpu_threads=args.threads)
+    opts = EmbeddedEngineOptions(cpu_threads=args.threads,
+                                 final_beam_size=args.babelcast_final_beam)
     leg.extra = {
         "asr_actor_cpu_s": round(asr1 - asr0, 2) if asr0 is not None and asr1 else None,
         "engine_decode_busy_s": float(engine.get("decode_busy_s", 0.0)),
@@ -116,7 +136,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
         "config": {
             "engine": "embedded", "model": "whisper-base (int8)",
             "cpu_threads": opts.cpu_threads, "beam_size": opts.beam_size,
-            "final_beam_size": opts.final_beam_size, "step_s": opts.step_s,
+            "final_beam_size": opts.final_beam_size, "final_pass": opts.final_pass,
+            "step_s": opts.step_s,
             "pause_s": opts.pause_s, "max_window_s": opts.max_window_s,
             "input": "PCM16 over /v1/streams/talk/audio (source: push)",
         },
@@ -124,31 +145,84 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
     return leg
 
 
-def summarize(leg: Leg, ref: str, audio_s: float) -> dict[str, Any]:
+def final_ends(finals: list[tuple[float, float, str]], ref: list[str],
+               ref_end: list[float]) -> list[float | None]:
+    """Each final's end: where its last word matched in the reference ends (None: no word
+    of it matched the reference)."""
+    tokens: list[str] = []
+    owner: list[int] = []
+    for i, (_, _, text) in enumerate(finals):
+        for tok in normalize(text).split():
+            tokens.append(tok)
+            owner.append(i)
+    ends: list[float | None] = [None] * len(finals)
+    for tok_i, ref_i in enumerate(matched_ref_index(ref, tokens)):
+        if ref_i is not None:
+            i = owner[tok_i]
+            ends[i] = max(ends[i] or 0.0, ref_end[ref_i])
+    return ends
+
+
+def summarize(legs: list[Leg], ref: str, ref_end: list[float], audio_s: float) -> dict[str, Any]:
     import jiwer
 
-    hyp = normalize(" ".join(text for _, _, text in leg.finals))
-    lat = [arrival - leg.sent.wall_of(end_s) for arrival, end_s, _ in leg.finals]
-    words = [len(normalize(text).split()) for _, _, text in leg.finals]
+    lat: list[float] = []
+    own_lat: list[float] = []
+    unplaced = 0
+    hyps = []
+    words: list[int] = []
+    for leg in legs:
+        hyps.append(normalize(" ".join(text for _, _, text in leg.finals)))
+        for (arrival, own_end, text), end in zip(
+                leg.finals, final_ends(leg.finals, ref.split(), ref_end), strict=True):
+            own_lat.append(arrival - leg.sent.wall_of(own_end))
+            words.append(len(normalize(text).split()))
+            if end is None:
+                unplaced += 1
+            else:
+                lat.append(arrival - leg.sent.wall_of(end))
     out: dict[str, Any] = {
-        "wer": round(float(jiwer.wer(ref, hyp)), 4),
+        "wer": round(float(jiwer.wer([ref] * len(legs), hyps)), 4),
+        "wer_per_round": [round(float(jiwer.wer(ref, h)), 4) for h in hyps],
         "final_latency_p50_s": pct(lat, 0.5),
         "final_latency_p95_s": pct(lat, 0.95),
-        "finals": len(leg.finals),
+        "final_latency_own_end_p50_s": pct(own_lat, 0.5),
+        "finals": sum(len(leg.finals) for leg in legs),
+        "finals_unplaced": unplaced,
         "words_per_final": round(sum(words) / len(words), 1) if words else None,
-        "cpu_s_per_audio_s": round(leg.cpu_s / audio_s, 3),
-        "open_text_at_end": bool(leg.open_text.strip()),
+        "cpu_s_per_audio_s": round(sum(leg.cpu_s for leg in legs) / (audio_s * len(legs)), 3),
+        "open_text_at_end": sum(1 for leg in legs if leg.open_text.strip()),
     }
-    extra = dict(leg.extra)
-    asr = extra.pop("asr_actor_cpu_s", None)
-    if asr is not None:
-        out["asr_actor_cpu_s_per_audio_s"] = round(asr / audio_s, 3)
-    busy = extra.pop("engine_decode_busy_s", None)
-    if busy is not None:
-        out["rtf"] = round(busy / audio_s, 3)
+    asr = [leg.extra.get("asr_actor_cpu_s") for leg in legs]
+    if all(a is not None for a in asr) and asr:
+        out["asr_actor_cpu_s_per_audio_s"] = round(sum(asr) / (audio_s * len(legs)), 3)  # type: ignore[arg-type]
+    busy = [leg.extra.get("engine_decode_busy_s") for leg in legs]
+    if all(b is not None for b in busy) and busy:
+        out["rtf"] = round(sum(busy) / (audio_s * len(legs)), 3)  # type: ignore[arg-type]
+    extra = dict(legs[-1].extra)
+    for key in ("asr_actor_cpu_s", "engine_decode_busy_s", "engine_decode_calls"):
+        extra.pop(key, None)
     out.update(extra)
     out["_lat"] = lat
     return out
+
+
+def reference_word_ends(pcm: bytes, ref: list[str], threads: int) -> list[float]:
+    """Where each reference word ends in the played audio: an offline pass of the same
+    model with word timestamps (beam 5), aligned to the reference word by word; words it
+    missed are interpolated between their neighbours."""
+    import numpy as np
+
+    from workers.engines.models import load_whisper
+
+    whisper = load_whisper("whisper-base", cpu_threads=threads)
+    audio = np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0
+    segments, _ = whisper.transcribe(audio, language="en", beam_size=5, word_timestamps=True,
+                                     vad_filter=False, condition_on_previous_text=False)
+    timed = [TimedToken(tok, float(w.end)) for seg in segments for w in (seg.words or [])
+             for tok in normalize(w.word).split()]
+    times, _ = align(ref, timed)
+    return reference_times(times)
 
 
 def plot(path: str, results: dict[str, dict[str, Any]], lats: dict[str, list[float]]) -> None:
@@ -180,14 +254,30 @@ def plot(path: str, results: dict[str, dict[str, Any]], lats: dict[str, list[flo
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    pcm, text = reference_talk(args.repeat)
+    if args.speech == "reference":
+        pcm, text = reference_talk(args.repeat)
+    else:
+        held = heldout_talks()
+        lead = bytes(2 * int(LEAD_IN_S * SAMPLE_RATE))
+        tail = bytes(2 * int(TAIL_S * SAMPLE_RATE))
+        pcm = lead + b"".join(t.pcm + tail for t in held)
+        text = " ".join(t.text for t in held)
     ref = normalize(text)
     audio_s = len(pcm) / 2 / SAMPLE_RATE
-    legs = []
+    legs: dict[str, list[Leg]] = {"babelcast": [], "whisperlive": []}
+    order: list[str] = []
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        legs.append(await run_babelcast(pcm, args, Path(tmp)))
-        legs.append(await run_whisperlive(pcm, args, Path(tmp)))
-    results = {leg.name: summarize(leg, ref, audio_s) for leg in legs}
+        for r in range(args.rounds):
+            names = ["babelcast", "whisperlive"] if r % 2 == 0 else ["whisperlive", "babelcast"]
+            for name in names:
+                order.append(name)
+                folder = Path(tmp) / f"{name}-{r}"
+                folder.mkdir()
+                run = run_babelcast if name == "babelcast" else run_whisperlive
+                legs[name].append(await run(pcm, args, folder))
+    ref_end = reference_word_ends(pcm, ref.split(), args.threads)
+    results = {name: summarize(runs, ref, ref_end, audio_s) for name, runs in legs.items()}
     lats = {name: res.pop("_lat") for name, res in results.items()}
     b, w = results["babelcast"], results["whisperlive"]
 
@@ -195,10 +285,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return round(b[key] / w[key], 3) if b.get(key) and w.get(key) else None
 
     out: dict[str, Any] = {
+        "speech": args.speech,
         "audio_s": round(audio_s, 1),
-        "repeat": args.repeat,
+        "repeat": args.repeat if args.speech == "reference" else 1,
+        "rounds": args.rounds,
+        "order": order,
         "threads": args.threads,
         "chunk_ms": round(args.chunk / SAMPLE_RATE * 1000),
+        "load_avg_before_after": [load_before, [round(x, 2) for x in os.getloadavg()]],
+        "end_time": "end of the final's last word matched in the reference, timed by one "
+                    "offline pass (same model, beam 5, word timestamps) for both systems",
+        "decoding": {
+            "babelcast": f"interims greedy (beam 1) every 1 s, final pass "
+                         f"{b['config']['final_pass']} with beam "
+                         f"{b['config']['final_beam_size']}, temperature 0, no prompt",
+            "whisperlive": "beam 5, best_of 5, temperature fallback 0.0..1.0, "
+                           "condition_on_previous_text, 30 s window (its defaults)",
+        },
         "babelcast": b,
         "whisperlive": w,
         "ratio_babelcast_to_peer": {k: ratio(k) for k in (
@@ -213,6 +316,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3,
                     help="times the 24.7 s reference talk is played (per system)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of each system, alternating which goes first")
+    ap.add_argument("--speech", default="reference", choices=["reference", "heldout"],
+                    help="reference: the tuning set; heldout: speech in no file of the repo")
+    ap.add_argument("--babelcast-final-beam", type=int, default=1,
+                    help="beam of Babelcast's final pass (WhisperLive decodes with beam 5)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of both engines")
     ap.add_argument("--chunk-ms", type=int, default=100, help="audio sent per message")
     ap.add_argument("--settle", type=float, default=6.0,

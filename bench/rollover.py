@@ -8,7 +8,10 @@ wall-clock pace:
 1. the same ~3-minute talk (the five LibriVox utterances, repeated) through two
    streams at once: one with a session budget of `--budget` seconds (warm
    rollovers), one without; WER of each against the reference, and the words
-   doubled or lost by the rollovers (insertions / deletions beyond the baseline's);
+   lost and doubled at the seams: each run's words are aligned to the reference word
+   by word (bench.alignment), and the deletions and insertions whose reference words lie
+   within `--seam-window` seconds of a switch are counted, minus the run without
+   rollovers' count in the same windows (signed, unclamped);
 2. a stream whose engine goes mute after 30 s of audio (fault injection): seconds
    from the first speech after the mute to the next caption (`rut_recovery_s`).
 """
@@ -28,6 +31,7 @@ import jiwer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.alignment import TimedToken, seam_errors  # noqa: E402
 from bench.report import emit  # noqa: E402
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize  # noqa: E402
 from workers.captions.segmenter import Segmenter  # noqa: E402
@@ -97,6 +101,12 @@ def seam_doubles(run: Run) -> int:
     return doubled
 
 
+def timed_tokens(run: Run) -> list[TimedToken]:
+    """The run's committed words as normalised tokens, each at its word's middle."""
+    return [TimedToken(tok, (w.start_s + w.end_s) / 2)
+            for _, w in run.words for tok in normalize(w.text).split()]
+
+
 def counts(ref: str, hyp: str) -> dict[str, int]:
     out = jiwer.process_words(ref, hyp)
     return {"ins": out.insertions, "del": out.deletions, "sub": out.substitutions,
@@ -118,6 +128,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     hyp_with = normalize(" ".join(with_r.finals))
     hyp_without = normalize(" ".join(without.finals))
     c_with, c_without = counts(ref, hyp_with), counts(ref, hyp_without)
+    seams = seam_errors(ref.split(), timed_tokens(with_r), timed_tokens(without),
+                        [t for _, t in with_r.manager.rollover_log], args.seam_window)
 
     # Rut: the engine goes mute after 30 s of a session's audio; the watchdog must roll over.
     mute_engine = MuteAfterEngine(engine, after_s=30.0)
@@ -140,9 +152,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "forced_switches": int(m["forced_switches"]),
         "wer_with_rollover": round(float(jiwer.wer(ref, hyp_with)), 4),
         "wer_without": round(float(jiwer.wer(ref, hyp_without)), 4),
-        "doubled_words": max(0, c_with["ins"] - c_without["ins"]) + seam_doubles(with_r),
+        **seams,
+        "seam_window_s": args.seam_window,
         "seam_doubles": seam_doubles(with_r),
-        "lost_words": max(0, c_with["del"] - c_without["del"]),
         "seam_words_deduped": int(m["seam_words_deduped"]),
         "rut_rollovers": int(rut.manager.counters["rollovers_rut"]),
         "rut_recoveries": int(rut.manager.counters["rut_recoveries"]),
@@ -175,6 +187,8 @@ def main() -> int:
                     help="seconds the new session re-reads")
     ap.add_argument("--model", default="whisper-base", choices=["whisper-base", "tiny.en"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seam-window", type=float, default=3.0,
+                    help="seconds either side of a switch where errors count as the seam's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     result = asyncio.run(main_async(args))

@@ -77,10 +77,11 @@ class _TimedSession(EmbeddedWhisperSession):
         super().__init__(engine, options)
         self._log = log
 
-    async def _decode(self, beam: int) -> list[Word]:
-        words = await super()._decode(beam)
+    async def _decode(self, start: int, beam: int, end: int | None = None, *,
+                      final: bool = False) -> tuple[list[Word], list[float]]:
+        out = await super()._decode(start, beam, end, final=final)
         self._log.append(Decode(self.options.stream_id, self._buf_end_s, time.time()))
-        return words
+        return out
 
 
 class TimedEngine(EmbeddedWhisperEngine):

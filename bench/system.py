@@ -85,6 +85,21 @@ def pids_named(root_pid: int, needle: str) -> list[int]:
     return found
 
 
+def client_headers(base: str, kind: str = "viewer", stream: str | None = None
+                   ) -> dict[str, str]:
+    """The Authorization header a client of the bench's `babelcast run` at `base` sends.
+    The run has no `auth:` section, so it keeps per-run tokens in its runtime file (0600),
+    as the demo does. `kind`: viewer, admin, or publish (for `stream`)."""
+    from orchestrator.gateway.local_credentials import read_credentials
+
+    data = read_credentials(base) or {}
+    token = (data.get("publish_tokens") or {}).get(stream) if kind == "publish" else (
+        data.get(f"{kind}_token"))
+    if not isinstance(token, str) or not token:
+        raise RuntimeError(f"no {kind} token for {base} in its runtime file")
+    return {"Authorization": f"Bearer {token}"}
+
+
 @dataclass
 class BabelcastRun:
     """A running `babelcast run`: its gateway URL, its Redis (a separate redis-server
@@ -96,6 +111,9 @@ class BabelcastRun:
     redis_pid: int | None
     log: Path
     cpu_seen: dict[int, float] = field(default_factory=dict)
+
+    def headers(self, kind: str = "viewer", stream: str | None = None) -> dict[str, str]:
+        return client_headers(self.base, kind, stream)
 
     def cpu_s(self) -> float:
         """CPU seconds of the whole server: babelcast run's process tree and redis-server."""

@@ -226,13 +226,36 @@ class EngineConfig(_Strict):
         default=None, gt=0,
         description="realtime-ws: the server's session cap in audio seconds, if known")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
-    streams_per_actor: int = Field(default=4, ge=1, description="streams one ASR actor decodes")
+    streams_per_actor: int = Field(
+        default=4, ge=1,
+        description="streams one ASR actor decodes; unset: embedded engines take what the "
+                    "host's cores sustain in real time for the model (orchestrator/capacity.py), "
+                    "other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
+    final_pass: Literal["utterance", "agreement"] = Field(
+        default="utterance",
+        description="embedded: utterance: each final is one decode of the whole utterance at "
+                    "a pause (most accurate); agreement: finals as two interim decodes agree")
+    final_beam_size: int = Field(default=1, ge=1, le=10,
+                                 description="embedded: beam of the final pass")
     session: SessionConfig = Field(default_factory=SessionConfig,
                                    description="session manager: rollover, rut watchdog, pacing")
     vllm: VllmConfig | None = Field(default=None, description="vllm engine settings")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_streams(cls, data: Any) -> Any:
+        # Measured per model and core (orchestrator/capacity.py): never past the knee.
+        if isinstance(data, dict) and data.get("streams_per_actor") is None:
+            from orchestrator.capacity import default_streams_per_actor
+
+            if data.get("kind", "embedded") == "embedded":
+                data = {**data, "streams_per_actor": default_streams_per_actor(
+                    str(data.get("model", "whisper-base")), data.get("cpu_threads", 2),
+                    data.get("actors", 1))}
+        return data
 
     @model_validator(mode="after")
     def _kind_fields(self) -> Self:

@@ -74,8 +74,16 @@ class LiveView:
             t.add_row(*r)
         return t
 
+    def redis_line(self) -> str:
+        """Where the captions live, for `babelcast export` (never the password)."""
+        kw = self.bus.redis.connection_pool.connection_kwargs
+        where = (f"unix://{kw['path']}" if "path" in kw else
+                 f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}")
+        stream = self.cfg.streams[0].id if self.cfg.streams else "STREAM"
+        return f"redis     {where}   (babelcast export {stream} --redis {where})"
+
     async def run(self, stop: asyncio.Event) -> None:
-        header = "\n".join(self.urls())
+        header = "\n".join([*self.urls(), self.redis_line()])
         if self.plain:
             print(header, flush=True)
             while not stop.is_set():

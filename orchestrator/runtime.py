@@ -81,11 +81,27 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
     )
 
 
+class _RayCounter:
+    """A Ray counter that can also be created at zero. `Counter.inc` refuses 0 ("value
+    must be >0"), yet a series that first appears at its first event reads "No data" on
+    a dashboard until then and a `rate()` alert misses that first increment; recording 0
+    through the counter's own record path makes the series exist at 0."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.counter.inc(value, tags=tags)
+
+    def zero(self, tags: dict[str, str]) -> None:
+        self.counter._record(0.0, tags=tags)
+
+
 def _ray_instrument(m: MetricSpec) -> Any:
     from ray.util import metrics as rm
 
     if m.kind == "counter":
-        return rm.Counter(m.name, m.help, tag_keys=m.labels)
+        return _RayCounter(rm.Counter(m.name, m.help, tag_keys=m.labels))
     if m.kind == "gauge":
         return rm.Gauge(m.name, m.help, tag_keys=m.labels)
     return rm.Histogram(m.name, m.help, boundaries=list(m.buckets), tag_keys=m.labels)
@@ -116,9 +132,13 @@ class CatalogInstruments:
         return inst, labels
 
     def inc(self, name: str, value: float, **labels: str) -> None:
+        """Add `value`; an increment of exactly 0 creates the series at zero."""
         if value > 0:
             inst, tags = self._get(name, labels)
             inst.inc(value, tags=tags)
+        elif value == 0:
+            inst, tags = self._get(name, labels)
+            inst.zero(tags=tags)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         inst, tags = self._get(name, labels)
@@ -334,7 +354,8 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
                                  max_session_s=e.max_session_s, token=token)
     return EmbeddedEngineOptions(
-        model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s
+        model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s,
+        final_pass=e.final_pass, final_beam_size=e.final_beam_size,
     )
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything Babelcast needs on a Debian 12 machine (as root, or with sudo):
 # Debian packages (redis-server, ffmpeg, openssl, python3-venv, Apertium with its en-es and fr-es
-# pairs for the embedded translator, Chromium for the overlay's browser tests) and a
-# virtualenv in .venv.
+# pairs for the embedded translator, Chromium for the overlay's browser tests, Asterisk's
+# English/French/Spanish/Italian prompt recordings as test speech) and a virtualenv in .venv.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,12 @@ command -v apertium >/dev/null 2>&1 || missing+=(apertium)
 [ -f /usr/share/apertium/modes/eng-spa.mode ] || missing+=(apertium-eng-spa)
 [ -f /usr/share/apertium/modes/fr-es.mode ] || missing+=(apertium-fr-es)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+# Held-out human speech with its text (English, and other languages for bench.languages):
+# Asterisk's prompt recordings (CC-BY-SA-3.0; tests.speech.prompts_talk).
+for lang in en fr es it; do
+  [ -f "/usr/share/doc/asterisk-core-sounds-$lang/core-sounds-$lang.txt.gz" ] \
+    || missing+=("asterisk-core-sounds-$lang" "asterisk-core-sounds-$lang-wav")
+done
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 if command -v python3 >/dev/null 2>&1; then

@@ -35,3 +35,16 @@ async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
     client = Redis.from_url(redis_url)
     yield RedisBus(client)
     await client.aclose()
+
+
+TIERS = ("unit", "integration", "gpu")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test declares its tier (STYLE: "every test module declares its tier"): a test
+    with none is a collection error, not a test that silently runs in no tier."""
+    missing = [item.nodeid for item in items
+               if not any(item.get_closest_marker(t) for t in TIERS)]
+    if missing:
+        raise pytest.UsageError("tests without a unit/integration/gpu marker:\n  "
+                                + "\n  ".join(missing))

@@ -52,3 +52,18 @@ def test_validate_reports_every_problem_at_once(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"{bad}:2: engine.actors:" in result.stderr
     assert f"{bad}:4: streams[0].id:" in result.stderr
+
+
+def test_live_view_prints_the_redis_url_that_export_needs() -> None:
+    from redis.asyncio import Redis
+
+    from orchestrator.config import load_event
+    from orchestrator.live import LiveView
+
+    cfg = load_event(ROOT / "examples" / "demo.yaml")
+    redis = Redis.from_url("redis://:s3cret@127.0.0.1:6390/2")  # connects on first use only
+    view = LiveView(cfg, redis, "http://127.0.0.1:8000", plain=True, unplaced=[])
+    line = view.redis_line()
+    assert "redis://127.0.0.1:6390/2" in line
+    assert f"babelcast export {cfg.streams[0].id} --redis redis://127.0.0.1:6390/2" in line
+    assert "s3cret" not in line

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
+from orchestrator.capacity import REALTIME_STREAMS_PER_CORE, default_streams_per_actor
 from orchestrator.config import (
     ConfigError,
     ConfigIssue,
@@ -58,8 +59,10 @@ def test_minimal_config_loads_with_defaults(tmp_path: Path) -> None:
     assert cfg.redis.url is None
     assert cfg.ray.address is None and cfg.ray.num_cpus is None
     e = cfg.engine
-    assert (e.kind, e.model, e.actors, e.streams_per_actor) == ("embedded", "whisper-base", 1, 4)
+    assert (e.kind, e.model, e.actors) == ("embedded", "whisper-base", 1)
+    assert e.streams_per_actor == default_streams_per_actor("whisper-base", 2, 1)
     assert (e.cpu_threads, e.step_s, e.pause_s) == (2, 1.0, 0.6)
+    assert (e.final_pass, e.final_beam_size) == ("utterance", 1)
     assert cfg.ingest.actors == 1
     assert (cfg.gateway.host, cfg.gateway.port) == ("127.0.0.1", 8000)
     s = cfg.streams[0]
@@ -337,3 +340,25 @@ def test_vllm_section_without_vllm_engine_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_event(cfg)
     assert "engine kind vllm" in str(err.value)
+
+
+def test_default_streams_per_actor_follows_the_measured_knee_per_model_and_core() -> None:
+    # bench.scale's knees on 2 cores: whisper-base 3 streams, tiny.en 6.
+    assert default_streams_per_actor("whisper-base", cpu_threads=2, actors=1, cores=2) == 3
+    assert default_streams_per_actor("tiny.en", cpu_threads=2, actors=1, cores=2) == 6
+    # An actor uses its cpu_threads, never more cores than the host has for it.
+    assert default_streams_per_actor("whisper-base", cpu_threads=8, actors=1, cores=8) == 12
+    assert default_streams_per_actor("whisper-base", cpu_threads=8, actors=2, cores=8) == 6
+    assert default_streams_per_actor("whisper-base", cpu_threads=2, actors=4, cores=2) == 1
+    assert set(REALTIME_STREAMS_PER_CORE) == {"whisper-base", "tiny.en"}
+
+
+def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> None:
+    cfg = parse_event("event: x\nengine: {model: tiny.en, cpu_threads: 1}\n"
+                      "streams: [{id: a, source: push, language: en}]")
+    assert cfg.engine.streams_per_actor == default_streams_per_actor("tiny.en", 1, 1)
+    cfg = parse_event("event: x\nengine: {streams_per_actor: 7}\nstreams: [{id: a, source: push}]")
+    assert cfg.engine.streams_per_actor == 7
+    cfg = parse_event("event: x\nengine: {kind: realtime-ws, url: 'ws://h:1/v1/realtime'}\n"
+                      "streams: [{id: a, source: push}]")
+    assert cfg.engine.streams_per_actor == 4

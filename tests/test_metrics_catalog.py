@@ -79,6 +79,9 @@ class FakeInstrument:
     def inc(self, value: float, tags: dict[str, str]) -> None:
         self._record("inc", value, tags)
 
+    def zero(self, tags: dict[str, str]) -> None:
+        self._record("inc", 0.0, tags)
+
     def set(self, value: float, tags: dict[str, str]) -> None:
         self._record("set", value, tags)
 
@@ -164,3 +167,13 @@ def test_a_record_with_the_wrong_labels_is_refused(
         instruments.inc("babelcast_rollovers_total", 1, stream="a")
     with pytest.raises(KeyError, match=r"not in orchestrator/metric_catalog\.py"):
         instruments.inc("babelcast_no_such_total", 1)
+
+
+def test_a_zero_increment_creates_the_counter_series_at_zero(
+    recorded: tuple[runtime.CatalogInstruments, list[tuple[str, str, float, dict[str, str]]]],
+) -> None:
+    instruments, records = recorded
+    asr = runtime.RayMetricsSink("asr-0", instruments)
+    asr.stream_update("room-a", {"gaps": 0.0, "rollovers_rut": 0.0}, {})
+    assert sorted((n, op, v) for n, op, v, _ in records) == [
+        ("babelcast_audio_gaps_total", "inc", 0.0), ("babelcast_rollovers_total", "inc", 0.0)]

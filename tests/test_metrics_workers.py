@@ -23,7 +23,7 @@ from orchestrator.redis_server import LocalRedisServer
 from tests.speech import AUDIO, decode_pcm16
 from tests.test_asr_host import feed, host_options, stream_options
 from tests.waiting import eventually
-from workers.asr import AsrHost
+from workers.asr import ZERO_AT_START, AsrHost
 from workers.bus import RedisBus
 from workers.engines.base import (
     END,
@@ -34,7 +34,8 @@ from workers.engines.base import (
     SpeechEngine,
 )
 from workers.events import SAMPLE_RATE, AudioChunk, StreamOptions, TranscriptDelta, Word
-from workers.ingest import IngestHost, IngestHostOptions
+from workers.ingest import INGEST_GAP_REASONS, IngestHost, IngestHostOptions
+from workers.sessions.manager import ROLLOVER_REASONS
 from workers.sources.base import AudioSource, SourceError
 from workers.telemetry import RecordingSink
 
@@ -150,8 +151,19 @@ def test_speech_without_captions_keeps_growing_across_rut_rollovers(asr_run: Asr
     assert float(asr_run.status["stuck"]["speech_without_caption_s"]) >= 7.0
     # A silent room with no captions is not a stuck one.
     assert sink.gauges[("quiet", "speech_without_caption_s")] == 0.0
-    assert ("quiet", "rollovers_rut") not in sink.counters
+    assert sink.counters[("quiet", "rollovers_rut")] == 0.0
     assert not [c for c in sink.captions if c[0] in ("stuck", "quiet")]
+
+
+def test_every_stream_counter_series_exists_at_zero_from_the_start(asr_run: AsrRun) -> None:
+    # A series that first appears at its first event reads "No data" on a dashboard and
+    # a rate() alert misses that first increment.
+    sink = asr_run.sink
+    keys = [*ZERO_AT_START, *(f"rollovers_{r}" for r in ROLLOVER_REASONS)]
+    for sid in STREAMS:
+        assert all((sid, key) in sink.counters for key in keys), sid
+    # The silent room had none of these events: its series are there, at 0.
+    assert all(sink.counters[("quiet", key)] == 0.0 for key in keys)
 
 
 def test_captions_are_counted_with_their_speech_to_screen_latency(asr_run: AsrRun) -> None:
@@ -214,6 +226,9 @@ async def test_ingest_reports_reconnects_gaps_and_audio(redis_url: str, bus: Red
         await host.stop()
     assert sink.counters[("flaky", "source_reconnects")] == 1
     assert sink.counters[("flaky", "source_gaps_source-error")] == 1
+    # Every other gap reason of ingest exists too, at 0, from the start.
+    assert all(sink.counters[("flaky", f"source_gaps_{r}")] == 0.0
+               for r in INGEST_GAP_REASONS if r != "source-error")
     assert sink.counters[("flaky", "source_audio_s")] == pytest.approx(1.5)
 
 

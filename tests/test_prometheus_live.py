@@ -180,6 +180,15 @@ def test_every_series_prometheus_holds_is_a_catalog_metric(live: Live) -> None:
         n for n in names if series_labels(n) is None)
 
 
+def test_every_counter_a_dashboard_queries_exists_at_zero_from_the_start(live: Live) -> None:
+    # These come from events that may never happen in a demo (a gap, a rollover, a rut
+    # recovery, a session error); each room's series must exist anyway.
+    for name in ("audio_gaps_total", "rollovers_total", "rut_recoveries_total",
+                 "session_errors_total", "source_gaps_total"):
+        live.until(f"count by (stream) (ray_babelcast_{name})", lambda r: len(r) == 2,
+                   f"{name} for both rooms")
+
+
 def test_each_room_is_one_stream_on_one_actor_within_budget(live: Live) -> None:
     active = live.until("count by (stream) (ray_babelcast_asr_stream_active == 1)",
                         lambda r: len(r) == 2, "both rooms running")

@@ -168,10 +168,24 @@ def test_captions_continue_across_every_rollover(results: dict[str, Any]) -> Non
         assert any(t < e <= t + 6 for e in ends), f"no words after the switch at {t:.1f} s"
 
 
-def test_rollovers_cost_at_most_one_point_of_wer(results: dict[str, Any]) -> None:
-    with_r = wer(results["text"], results["with"])
-    without = wer(results["text"], results["without"])
-    assert with_r - without <= 0.01, f"with {with_r:.3f} vs without {without:.3f}"
+def test_rollover_seams_lose_or_double_at_most_a_word_each(results: dict[str, Any]) -> None:
+    """Word by word, as bench.rollover counts: deletions and insertions within 3 s of each
+    switch, minus the run without rollovers in the same windows. (The whole-talk WER of the
+    two runs is a bench figure: under a loaded machine both runs lose words away from any
+    seam, and their difference measured the load more than the seams.)"""
+    from bench.alignment import seam_errors
+    from bench.rollover import Run, timed_tokens
+
+    with_r: Played = results["with"]
+    without: Played = results["without"]
+    switches = [t for _, t in with_r.manager.rollover_log]
+    seams = seam_errors(normalize(results["text"]).split(),
+                        timed_tokens(Run(with_r.manager, with_r.words)),
+                        timed_tokens(Run(without.manager, without.words)), switches)
+    print("rollover seams:", len(switches), "switches", seams, "WER with",
+          round(wer(results["text"], with_r), 3), "without",
+          round(wer(results["text"], without), 3))
+    assert seams["lost_words"] + seams["doubled_words"] <= len(switches), seams
 
 
 def test_no_word_appears_twice_at_a_rollover_seam(results: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.speech import AUDIO, decode_pcm16
+from workers.engines.vad import VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
@@ -42,11 +44,32 @@ def test_healthy_text_keeps_the_watchdog_quiet() -> None:
         assert not w.in_rut()
 
 
-def test_silence_never_triggers_even_without_any_text() -> None:
+def watch_through_silero(pcm: bytes) -> RutWatchdog:
+    """Real audio through real Silero, its speech frames into the watchdog (as the
+    session manager does), with no text at all."""
     w = RutWatchdog(RutPolicy())
-    # No speech frames at all for a minute: nothing to judge.
+    flags = VoiceActivity().feed_pcm16(pcm)
+    for i, speech in enumerate(flags):
+        if speech:
+            w.speech(i * FRAME, FRAME)
+    return w
+
+
+def test_silence_never_triggers_even_without_any_text() -> None:
+    rng = np.random.default_rng(3)
+    room_tone = rng.normal(0, 100, 30 * SAMPLE_RATE).astype("<i2").tobytes()  # ~-50 dBFS
+    filler = DitherNoise(lsb=2, seed=2).pcm(30 * SAMPLE_RATE)  # what a stalled source gets
+    w = watch_through_silero(room_tone + filler)
     assert not w.in_rut()
     assert w.voiced_without_text_s == 0
+
+
+def test_the_same_minute_of_speech_without_text_is_a_rut() -> None:
+    """The control for the test above: the same path does see speech."""
+    speech = decode_pcm16(AUDIO / "room-b.flac")
+    w = watch_through_silero(speech)
+    assert w.in_rut()
+    assert w.voiced_without_text_s >= 6
 
 
 def test_text_from_before_the_rut_does_not_hide_it_for_a_whole_window() -> None:

@@ -135,6 +135,7 @@ def test_translation_config_errors_name_the_key() -> None:
 
 
 # ---- the embedded backends, for real --------------------------------------------
+@pytest.mark.integration
 async def test_embedded_backends_translate_with_the_glossary() -> None:
     apertium = build("apertium", BackendSettings())
     bergamot = build("bergamot", BackendSettings())
@@ -159,6 +160,7 @@ async def test_embedded_backends_translate_with_the_glossary() -> None:
         await bergamot.aclose()
 
 
+@pytest.mark.integration
 async def test_a_batch_of_many_sentences_stays_aligned() -> None:
     apertium = build("apertium", BackendSettings())
     await apertium.start()
@@ -190,6 +192,7 @@ async def host_factory(redis_url: str) -> AsyncIterator[Any]:
         await h.stop()
 
 
+@pytest.mark.integration
 async def test_finals_reach_every_target_once_in_source_order(
         bus: RedisBus, host_factory: Any) -> None:
     jobs = await enqueue_talk(bus, "talk", ("es", "pt", "fr"))
@@ -215,6 +218,7 @@ async def test_finals_reach_every_target_once_in_source_order(
     assert summary["pending"] == 0, "every job, the broken one too, is acked"
 
 
+@pytest.mark.integration
 async def test_a_restarted_translator_takes_its_own_pending_jobs_first(
         bus: RedisBus, host_factory: Any, redis_url: str) -> None:
     jobs = await enqueue_talk(bus, "talk", ("es",))
@@ -232,6 +236,7 @@ async def test_a_restarted_translator_takes_its_own_pending_jobs_first(
     await eventually(done, 30, "the restarted translator to finish its pending jobs")
 
 
+@pytest.mark.integration
 async def test_a_job_pending_with_a_dead_translator_is_claimed_and_published_once(
         bus: RedisBus, host_factory: Any) -> None:
     jobs = await enqueue_talk(bus, "talk", ("es", "pt"))
@@ -333,6 +338,7 @@ async def _chat(server: ChatServer, monkeypatch: pytest.MonkeyPatch,
     return t
 
 
+@pytest.mark.integration
 async def test_openai_chat_contract_batches_one_pair_per_request(
         chat_server: ChatServer, monkeypatch: pytest.MonkeyPatch) -> None:
     t = await _chat(chat_server, monkeypatch)
@@ -353,6 +359,7 @@ async def test_openai_chat_contract_batches_one_pair_per_request(
     assert t.stats.prompt_chars > t.stats.chars_in  # context and instructions cost too
 
 
+@pytest.mark.integration
 async def test_openai_chat_contract_retries_a_5xx(
         chat_server: ChatServer, monkeypatch: pytest.MonkeyPatch) -> None:
     chat_server.fail_with = [503, 500]
@@ -363,6 +370,7 @@ async def test_openai_chat_contract_retries_a_5xx(
     await t.aclose()
 
 
+@pytest.mark.integration
 async def test_openai_chat_contract_gives_up_with_an_error_per_sentence(
         chat_server: ChatServer, monkeypatch: pytest.MonkeyPatch) -> None:
     chat_server.fail_with = [400]
@@ -373,6 +381,7 @@ async def test_openai_chat_contract_gives_up_with_an_error_per_sentence(
     await t.aclose()
 
 
+@pytest.mark.integration
 async def test_openai_chat_contract_splits_a_misaligned_batch(
         chat_server: ChatServer, monkeypatch: pytest.MonkeyPatch) -> None:
     chat_server.misalign_batches = True
@@ -383,6 +392,7 @@ async def test_openai_chat_contract_splits_a_misaligned_batch(
     await t.aclose()
 
 
+@pytest.mark.integration
 async def test_a_failing_backend_publishes_error_markers_and_other_languages_go_on(
         bus: RedisBus, host_factory: Any, chat_server: ChatServer) -> None:
     chat_server.delay_s = 3.0  # slower than the host's batch timeout
@@ -406,6 +416,7 @@ async def test_a_failing_backend_publishes_error_markers_and_other_languages_go_
     assert es.error is None and "plenaria" in es.text
 
 
+@pytest.mark.integration
 async def test_live_tail_jobs_publish_non_finals_that_never_follow_the_final(
         bus: RedisBus, host_factory: Any) -> None:
     host = await host_factory(max_tail_age_s=5.0)
@@ -445,6 +456,7 @@ async def _jobs(bus: RedisBus) -> list[TranslationJob]:
     return [job_from_json(f[b"d"]) for _, f in await bus.redis.xrange(JOBS_KEY)]
 
 
+@pytest.mark.integration
 async def test_asr_side_enqueues_finals_with_context_and_tails_at_most_every_n_s(
         bus: RedisBus) -> None:
     from types import SimpleNamespace
@@ -471,6 +483,7 @@ async def test_asr_side_enqueues_finals_with_context_and_tails_at_most_every_n_s
         "words at 0.0", "words at 2.5", "words at 4.6"]
 
 
+@pytest.mark.unit
 async def test_vllm_backend_imports_without_vllm_and_says_what_it_needs() -> None:
     import importlib.util
 

@@ -36,10 +36,13 @@ from workers.events import (
     TranscriptDelta,
     TranslationJob,
 )
-from workers.sessions.manager import SessionManager, SessionPolicy
+from workers.sessions.manager import ROLLOVER_REASONS, SessionManager, SessionPolicy
 from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
+
+ZERO_AT_START = ("gaps", "rut_recoveries", "session_errors")
+"""Stream counters reported at 0 when the stream starts (with `rollovers_<reason>`)."""
 
 
 class WallMap:
@@ -118,10 +121,25 @@ class _StreamRunner:
             wall_of=self.walls.wall_of,
         )
         self.session = self._open()
+        self._zero_series()
         self.task = asyncio.create_task(self._consume(), name=f"asr:{self.opts.stream_id}")
         await self.bus.set_status(
             self.opts.stream_id, asr_state="listening", asr_actor=self.host.options.actor_id
         )
+
+    def _zero_series(self) -> None:
+        """Every counter series of the stream exists from its start, at 0: a dashboard
+        panel reads "No data" until a series' first event, and a `rate()` alert misses
+        that first increment."""
+        sink = self.host.metrics
+        if sink is None:
+            return
+        keys = [*ZERO_AT_START, *(f"rollovers_{r}" for r in ROLLOVER_REASONS)]
+        try:
+            sink.stream_update(self.opts.stream_id, dict.fromkeys(keys, 0.0), {})
+        except Exception as exc:
+            log.warning("stream %s: metrics failed: %s", self.opts.stream_id,
+                        type(exc).__name__)
 
     def _open(self) -> SessionManager:
         # The manager keeps the stream captioned across engine session ends, ruts and

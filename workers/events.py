@@ -28,6 +28,10 @@ class AudioChunk:
     pos: int
     pcm: bytes
     wall: float
+    speech: tuple[bool, ...] | None = None
+    """Voice activity already computed for this audio (one flag per 512-sample frame that
+    completed in it), so an engine session does not run Silero a second time; None: not
+    computed (the session runs its own)."""
 
     @property
     def samples(self) -> int:

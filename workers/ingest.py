@@ -31,6 +31,10 @@ from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
 
+INGEST_GAP_REASONS = ("late", "ingest-restart", "source-error", "source-crash")
+"""Gap reasons of ingest itself (a source adds its own: `AudioSource.gap_reasons`)."""
+
+
 class AudioClock:
     """Stamps one stream's audio with its position and records gaps.
 
@@ -271,6 +275,9 @@ class IngestHost:
         except ValueError as exc:  # a URL validation should have refused
             await self._set(stream, "failed", source_error=str(exc))
             return
+        # Every gap series exists from the start, at 0 (dashboards, rate() alerts).
+        self._count(stream, {f"source_gaps_{r}": 0.0
+                             for r in (*INGEST_GAP_REASONS, *source.gap_reasons)})
         while True:
             await self._set(stream, "connecting")
             try:

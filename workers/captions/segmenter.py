@@ -20,7 +20,7 @@ _SENTENCE_END = (".", "?", "!", "…", "。", "？", "！")
 _CLOSERS = "\"')]»”’"
 
 
-def _ends_sentence(word: str) -> bool:
+def ends_sentence(word: str) -> bool:
     w = word.strip().rstrip(_CLOSERS)
     # "Mr." and friends end with a dot but not a sentence.
     if w.lower() in {"mr.", "mrs.", "ms.", "dr.", "st.", "m.", "mme."}:
@@ -63,7 +63,7 @@ class Segmenter:
         for word in delta.committed:
             self._stable.append(word)
             text = join_words(self._stable)
-            if _ends_sentence(word.text) or len(text) >= self.max_chars:
+            if ends_sentence(word.text) or len(text) >= self.max_chars:
                 self._tentative = []
                 out.append(self._publish(final=True))
         self._tentative = list(delta.tentative)

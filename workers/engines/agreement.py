@@ -54,6 +54,10 @@ class LocalAgreement:
                     break
         return words
 
+    def fresh(self, hypothesis: list[Word]) -> list[Word]:
+        """The words of `hypothesis` after the committed ones (a repeat at the seam dropped)."""
+        return self._fresh(hypothesis)
+
     def insert(self, hypothesis: list[Word]) -> list[Word]:
         """Add a hypothesis of the current window; return the newly committed words."""
         fresh = self._fresh(hypothesis)
@@ -72,6 +76,17 @@ class LocalAgreement:
         self._previous = []
         self._commit(fresh)
         return fresh
+
+    def commit(self, words: list[Word]) -> None:
+        """Commit exactly these words (already fresh: the caller took them from `fresh()`)."""
+        self._previous = []
+        self._commit(words)
+
+    def follow(self, other: LocalAgreement) -> None:
+        """Start over right after what `other` committed (another pass decided those words)."""
+        self.committed = list(other.committed[-self.max_ngram :])
+        self._last_end = other.last_committed_end
+        self._previous = []
 
     def clear_tentative(self) -> None:
         self._previous = []

@@ -39,6 +39,11 @@ class VoiceActivity:
         self._rest = buf[n * FRAME_SAMPLES :].copy()
         return flags
 
+    @property
+    def pending_samples(self) -> int:
+        """Samples fed that are not in a complete frame yet (no flag for them so far)."""
+        return int(self._rest.size)
+
     def feed_pcm16(self, pcm: bytes) -> list[bool]:
         return self.feed(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768.0)
 

@@ -25,7 +25,9 @@ outside, like a single session that never ends:
   ends on its own (stock vLLM at max_model_len), is replaced the same way.
 
 Voice activity comes from a `VadStream` (Silero in this thread by default; a GPU
-actor passes one from a helper process so the VAD stays off its event loop).
+actor passes one from a helper process so the VAD stays off its event loop). Its flags
+travel with each chunk (`AudioChunk.speech`), so an engine session that needs voice
+activity (the embedded one) does not run Silero a second time.
 
 Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
 export (status fields and metrics); the manager itself does no I/O.
@@ -40,7 +42,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from workers.engines.agreement import norm
 from workers.engines.base import (
@@ -379,12 +381,14 @@ class SessionManager(RecognizeSession):
     async def _take_audio(self, chunk: AudioChunk, *, real: bool) -> None:
         """Feed one contiguous chunk to the live session(s) and the detectors."""
         assert self.pos is not None
+        flags = await self._vad.flags(chunk.pcm)
+        # The engine session gets these flags with the audio: Silero runs once per stream.
+        chunk = replace(chunk, speech=tuple(flags))
         self._ring.add(chunk)
         self.pos = chunk.pos + chunk.samples
         if real:
             self._last_arrival = self._clock()
             self._arrival_pos = self.pos
-        flags = await self._vad.flags(chunk.pcm)
         frame_pos = chunk.pos
         for speech in flags:
             if speech:

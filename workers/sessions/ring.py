@@ -30,7 +30,10 @@ class AudioRing:
                 continue
             if c.pos < pos:
                 cut = (pos - c.pos) * 2
-                c = AudioChunk(c.stream, pos, c.pcm[cut:], c.wall)
+                # The frames that completed in the cut part are unknown: none are
+                # counted (at most one chunk's worth of voice activity, once).
+                c = AudioChunk(c.stream, pos, c.pcm[cut:], c.wall,
+                               None if c.speech is None else ())
             out.append(c)
         return out
 

@@ -58,6 +58,8 @@ class AudioSource(ABC):
     """One stream's audio input. Constructed cheaply; opens on iteration."""
 
     url: str
+    gap_reasons: tuple[str, ...] = ()
+    """Every `reason` its `idle` and `gap` events may carry (metric series made at zero)."""
 
     @abstractmethod
     def chunks(self) -> AsyncIterator[SourceItem]:

@@ -134,6 +134,9 @@ class SegmentDecoder:
 class HlsSource(AudioSource):
     """A live (or VOD) HLS playlist over HTTP(S); see the module docstring."""
 
+    gap_reasons = ("hls-missing", "hls-stalled", "hls-restart", "hls-skipped",
+                   "hls-discontinuity", "hls-bad-segment")
+
     def __init__(self, url: str, *, executor: Executor | None = None, start_segments: int = 1,
                  timeout_s: float = 10.0, transport: httpx.AsyncBaseTransport | None = None
                  ) -> None:

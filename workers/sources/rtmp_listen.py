@@ -258,6 +258,8 @@ class RtmpListenSource(AudioSource):
     """`rtmp://0.0.0.0:1935/live` (or `?listen=1`, or rtmps:// with `tls_cert`/`tls_key`):
     one stream's listener. `key` is the stream key every publisher must send."""
 
+    gap_reasons = ("rtmp-takeover", "rtmp-disconnect", "rtmp-waiting")
+
     def __init__(self, url: str, *, key: str, tls_cert: str = "", tls_key: str = "",
                  handshake_timeout_s: float = 10.0, idle_timeout_s: float = 10.0) -> None:
         self.url = url

@@ -71,6 +71,8 @@ class SrtSource(AudioSource):
     not retryable.
     """
 
+    gap_reasons = ("srt-disconnect", "srt-waiting")
+
     def __init__(self, url: str, *, ffmpeg: str = "ffmpeg", passphrase: str = "") -> None:
         self.url = url
         self._ffmpeg = ffmpeg
