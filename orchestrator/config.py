@@ -225,6 +225,11 @@ class EngineConfig(_Strict):
     max_session_s: float | None = Field(
         default=None, gt=0,
         description="realtime-ws: the server's session cap in audio seconds, if known")
+    text_lag_s: float = Field(
+        default=0.0, ge=0, le=120,
+        description="realtime-ws: seconds of speech the server may hear before it sends text "
+                    "(0 for vLLM; about 25 for another Babelcast's /v1/realtime, which sends "
+                    "a caption's text once it is final)")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
     streams_per_actor: int = Field(
         default=4, ge=1,

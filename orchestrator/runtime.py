@@ -352,7 +352,8 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         assert e.url is not None
         token = os.environ.get(e.token_env, "").strip() or None if e.token_env else None
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
-                                 max_session_s=e.max_session_s, token=token)
+                                 max_session_s=e.max_session_s, token=token,
+                                 text_lag_s=e.text_lag_s)
     return EmbeddedEngineOptions(
         model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s,
         final_pass=e.final_pass, final_beam_size=e.final_beam_size,

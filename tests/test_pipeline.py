@@ -292,7 +292,7 @@ def test_realtime_ws_engine_captions_speech_through_babelcasts_own_endpoint(
     pcm = decode_pcm16(AUDIO / "room-a.flac") + bytes(2 * SAMPLE_RATE * 2)
     engine = RealtimeWsEngine(RealtimeWsOptions(
         url=f"{event.ws}/v1/realtime?stream=pushed", model="anything", delay_s=1.5,
-        token=PUSH_TOKEN))
+        token=PUSH_TOKEN, text_lag_s=25.0))
 
     async def run() -> list[str]:
         manager = SessionManager(engine, SessionOptions("rt", "en"))
@@ -385,6 +385,7 @@ engine:
   model: whisper-base
   url: "{event.ws}/v1/realtime?stream=pushed"
   delay_s: 1.5
+  text_lag_s: 25
   token_env: PIPELINE_PUSH_TOKEN
 streams:
   - {{id: relay, source: "{AUDIO / 'room-a.flac'}", language: en}}

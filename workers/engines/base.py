@@ -29,12 +29,15 @@ class EngineCapabilities:
     `max_session_s`: audio seconds one session can take before the engine ends it
     (None: unbounded). `reanchors_natively`: the engine keeps long sessions going
     by itself, no rollover needed. `multilingual`: whether `language="auto"` works.
+    `text_lag_s`: how much speech the engine may hear before it sends any text (0: it
+    sends text as it decodes); the rut watchdog waits that much longer.
     """
 
     max_session_s: float | None
     reanchors_natively: bool
     multilingual: bool
     streaming: bool = True
+    text_lag_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,12 @@ class RealtimeWsOptions:
     done_timeout_s: float = 20.0
     token: str | None = field(default=None, repr=False)
     """Sent as `Authorization: Bearer` (another Babelcast's publish token)."""
+    text_lag_s: float = 0.0
+    """Speech the server may hear before it sends text. vLLM's Voxtral sends words as it
+    decodes (0). Another Babelcast's `/v1/realtime` sends a caption's text once it is final,
+    at the speaker's pause (up to ~20 s of speech with the embedded engine): without this
+    allowance the rut watchdog takes a long sentence for a mute engine and replays audio
+    into that event's stream."""
 
 
 class RealtimeWsEngine(SpeechEngine):
@@ -67,7 +73,7 @@ class RealtimeWsEngine(SpeechEngine):
         o = self.options
         return EngineCapabilities(max_session_s=o.max_session_s,
                                   reanchors_natively=o.reanchors_natively,
-                                  multilingual=o.multilingual)
+                                  multilingual=o.multilingual, text_lag_s=o.text_lag_s)
 
     async def start(self) -> None:
         """Nothing to load: each session connects on its own."""

@@ -141,7 +141,11 @@ class SessionManager(RecognizeSession):
         p = self.policy
         self._ring = AudioRing(max(p.overlap_s, p.rut.window_s) + 2.0)
         self._vad: VadStream = vad or InlineVad()
-        self._watch = RutWatchdog(p.rut)
+        # An engine that sends text only at a pause (text_lag_s) is mute for that long by
+        # design: the watchdog allows it that much more speech, in a window as much longer.
+        lag = engine.capabilities.text_lag_s
+        self._watch = RutWatchdog(replace(p.rut, speech_s=p.rut.speech_s + lag,
+                                          window_s=p.rut.window_s + lag) if lag else p.rut)
         self._noise = DitherNoise(p.dither_lsb)
         self._stall = asr_threshold(p.stall_s, p.stall_max_s)
         self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
