@@ -393,8 +393,8 @@ class _HostActor:
         """Like health, but never waits for a starting engine (a vLLM engine takes a
         minute or two to load): {"started": False} until it is up."""
         if not self._started:
-            return {"started": False}
-        return {"started": True, **await self.host.health()}
+            return {"started": False, "pid": os.getpid()}
+        return {"started": True, "pid": os.getpid(), **await self.host.health()}
 
     async def stop(self) -> None:
         if self._started:
@@ -461,6 +461,10 @@ class EventRuntime:
     _started_ray: bool = False
     _ingest_pins: dict[str, str] = field(default_factory=dict)
     _sd_files: list[tuple[Path, str]] = field(default_factory=list)
+    # actor id -> pid of the process killed for a dead engine: ray.kill returns before the
+    # process is gone, so a pass that still reaches that pid must wait, not kill again (a
+    # second kill would land on the fresh replacement)
+    _replacing: dict[str, int] = field(default_factory=dict)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -599,6 +603,10 @@ class EventRuntime:
             want = {s for s, a in self.router.pins.items() if a == actor_id}
             try:
                 state = await asyncio.wait_for(handle.state.remote(), timeout_s)
+                if state.get("pid") is not None and \
+                        self._replacing.get(actor_id) == state["pid"]:
+                    problems.append(f"{actor_id}: replacement pending")
+                    continue
                 if state.get("started") and state.get("engine_ok") is False:
                     # The actor answers but its engine is dead (a crashed vLLM engine
                     # core): only a new process brings it back. Ray restarts the actor
@@ -607,6 +615,8 @@ class EventRuntime:
                               actor_id)
                     metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
                     self._actor_up(actor_id, "asr", False)
+                    if state.get("pid") is not None:
+                        self._replacing[actor_id] = state["pid"]
                     ray.kill(handle, no_restart=False)
                     problems.append(f"{actor_id}: engine dead, actor replaced")
                     continue
