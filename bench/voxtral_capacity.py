@@ -1,14 +1,32 @@
-"""Voxtral capacity on one GPU: N real-time-paced sessions through the project's `vllm`
-engine, then the same N through vLLM's own realtime serving path
-(`OpenAIServingRealtime.transcribe_realtime`), in the same run and on the same AsyncLLM:
-after a warm-up phase the two paths alternate for `--rounds` rounds.
+"""Voxtral capacity on one GPU, in one run: how many real-time sessions vLLM's own serving
+path holds, and how many the project's `vllm` engine holds with each lever.
 
-    python -m bench.voxtral_capacity --model DIR [--streams 64] [--seconds 30] --json
+    python -m bench.voxtral_capacity --model DIR --find-knee [--ladder 64 96 128 160] \\
+        [--configs stock project project-x2] [--seconds 12] [--rounds 2] --json
+    python -m bench.voxtral_capacity --model DIR --streams 64 --json   # one level
 
-Each session is fed 80 ms of audio every 80 ms (real speech, looped). A session is
-real time when it decodes ≥ 12.0 frames/s (12.5 is exact real time) over the
-measured window; backlog is audio fed minus audio decoded at the end. Random
-weights (`--load-format dummy`) give random text and a real cost per step.
+Every engine runs in a process of its own (a *front end*: AsyncLLM, its output loop and
+the feeding loop, as an ASR actor is), started one after another; this process only
+orchestrates, samples the GPU and adds up. Configurations:
+- `stock`: vLLM's realtime serving path (`OpenAIServingRealtime.transcribe_realtime`)
+  on front end 0 — what `vllm serve` does per WebSocket, without the socket;
+- `project`: the project's engine sessions on the same front end 0 (same AsyncLLM);
+- `project-direct`: the same, with each chunk's engine input built directly
+  (`workers/engines/vllm_direct.py`) instead of the renderer and the HF processor;
+- `project-x2`, `project-direct-x2`: two front ends on the one GPU (1 and 2), half of
+  the sessions each — the production shape of `engine.vllm.engines_per_gpu: 2`.
+Front ends 1 and 2 start only if a `-x2` configuration is asked for. Each gets
+`--gpu-memory-utilization / engines` of the GPU.
+
+Each session is fed 80 ms of real speech every 80 ms. A session is real time when it
+decodes ≥ 12.0 frames/s (12.5 is exact) over the measured window (after 3 s of warm-up).
+With `--find-knee`, every configuration runs at each ladder level, in an order rotated
+every round, `--rounds` times; the level counts for a configuration when the median over
+rounds of its real-time share is ≥ 95 %, and its knee is the largest such level (a
+configuration stops climbing at its first miss). Every configuration is warmed up at the
+first level before anything is measured. Also reported per phase: CPU per chunk (µs) of
+the front-end processes and of their engine-core processes, and GPU utilisation (p50).
+Random weights (`--load-format dummy`) give random text and a real cost per step.
 """
 
 from __future__ import annotations
@@ -16,12 +34,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
+import os
 import statistics
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +57,11 @@ from workers.events import AudioChunk  # noqa: E402
 
 FRAME = 1280
 REALTIME_FPS = 12.0
+REALTIME_SHARE = 0.95
+WARM_S = 3.0
+CONFIGS = ("stock", "project", "project-direct", "project-x2", "project-direct-x2")
+
+Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
 
 
 def speech() -> np.ndarray:
@@ -58,65 +84,104 @@ async def _gpu_util(stop: asyncio.Event, out: list[float]) -> None:
         await asyncio.sleep(1.0)
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's children (the engine-core process)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 async def _phase(n: int, seconds: float, audio: np.ndarray,
-                 start: Callable[[int], Awaitable[tuple[Callable[[np.ndarray], None],
-                                                        Callable[[], int],
-                                                        Callable[[], Awaitable[None]]]]]
-                 ) -> dict[str, Any]:
-    """Run n sessions; `start(i)` returns (push a PCM16 frame, outputs so far, close)."""
-    handles = [await start(i) for i in range(n)]
-    stop = asyncio.Event()
-    util: list[float] = []
-    util_task = asyncio.create_task(_gpu_util(stop, util))
-    warm = 3.0
+                 start: Callable[[int], Awaitable[Handle]], first: int = 0) -> dict[str, Any]:
+    """Run n sessions (numbered from `first`, so front ends feed different audio);
+    `start(i)` returns (push a PCM16 frame, outputs so far, close)."""
+    handles = [await start(first + i) for i in range(n)]
     t0 = time.monotonic()
     frames = int(seconds / 0.08)
-    counts_at_warm: list[int] = []
+    marks: dict[str, Any] = {}
 
     async def pace(i: int) -> None:
         push = handles[i][0]
-        offset = (i * 7919 * FRAME) % (audio.size - FRAME)
+        offset = ((first + i) * 7919 * FRAME) % (audio.size - FRAME)
         for k in range(frames):
             await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 - time.monotonic()))
             j = (offset + k * FRAME) % (audio.size - FRAME)
             push(audio[j : j + FRAME])  # PCM16, as a client sends it
 
     async def mark() -> None:
-        await asyncio.sleep(warm)
-        counts_at_warm.extend(h[1]() for h in handles)
+        await asyncio.sleep(WARM_S)
+        marks["counts"] = [h[1]() for h in handles]
+        marks["cpu"] = time.process_time()
+        marks["children"] = _children_cpu_s()
+        marks["t"] = time.monotonic()
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
-    elapsed = time.monotonic() - t0 - warm
+    elapsed = time.monotonic() - marks["t"]
+    cpu = time.process_time() - marks["cpu"]
+    children = _children_cpu_s() - marks["children"]
     final = [h[1]() for h in handles]
-    stop.set()
-    await util_task
     for h in handles:
         await h[2]()
-    fps = [(f - w) / elapsed for f, w in zip(final, counts_at_warm, strict=True)]
-    backlog = sorted(seconds - f * 0.08 for f in final)
+    chunks = max(1, round(n * elapsed / 0.08))
     return {
-        "streams": n,
-        "realtime_streams": sum(1 for x in fps if x >= REALTIME_FPS),
-        "frames_per_s_p50": round(statistics.median(fps), 2),
-        "frames_per_s_min": round(min(fps), 2),
-        "backlog_p99_s": round(backlog[min(len(backlog) - 1, int(0.99 * len(backlog)))], 2),
-        "gpu_util": round(statistics.median(util), 1) if util else None,
+        "fps": [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)],
+        "backlog_s": [seconds - f * 0.08 for f in final],
+        "front_end_us_per_chunk": cpu / chunks * 1e6,
+        "engine_core_us_per_chunk": children / chunks * 1e6,
     }
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    import vllm
+# ---- one front end (a process of its own) -------------------------------------------
+def _front_end(conn: Connection, options: VllmEngineOptions) -> None:
+    asyncio.run(_front_end_async(conn, options))
 
-    engine = VllmVoxtralEngine(VllmEngineOptions(
-        model=args.model, max_streams=args.streams, max_model_len=args.max_model_len,
-        load_format=args.load_format, gpu_memory_utilization=args.gpu_memory_utilization))
+
+async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None:
+    engine = VllmVoxtralEngine(options)
     t = time.monotonic()
-    await engine.start()
-    start_s = time.monotonic() - t
+    try:
+        await engine.start()
+    except Exception as exc:  # the orchestrator reports it and stops
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    backend: Any = engine.backend
+    llm = backend.llm
     audio = speech()
+    import vllm
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.speech_to_text.realtime.serving import OpenAIServingRealtime
 
-    async def ours(i: int) -> Any:
+    serving = OpenAIServingRealtime(
+        llm, OpenAIServingModels(llm, [BaseModelPath(name="voxtral", model_path=options.model)]),
+        request_logger=None)
+    direct_check: dict[str, Any] | None = None
+    try:
+        from workers.engines import vllm_direct
+
+        chunks = [audio[i * FRAME:(i + 1) * FRAME].astype(np.float32) / 32768.0
+                  for i in range(60)]
+        inputs = await _maybe_await(vllm_direct.check_equal(llm, backend.model_cls, chunks))
+        generated = await vllm_direct.compare_generate(llm, backend.model_cls, chunks)
+        direct_check = {"equal": bool(inputs.get("equal") and generated.get("tokens_equal")),
+                        "inputs": inputs, "generate": generated}
+    except Exception as exc:
+        direct_check = {"equal": False, "error": f"{type(exc).__name__}: {exc}"}
+    conn.send({"ready": True, "engine_start_s": round(time.monotonic() - t, 1),
+               "vllm_version": vllm.__version__, "pid": os.getpid(),
+               "direct_check": direct_check})
+
+    async def ours(i: int, direct: bool) -> Handle:
         session = engine.open_session(SessionOptions(f"ours{i}", "auto"))
+        if direct:
+            session.direct_input = True  # type: ignore[attr-defined]
         pos = [0]
 
         async def drain() -> None:
@@ -135,18 +200,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         return push, (lambda: session.outputs), close  # type: ignore[attr-defined]
 
-    # vLLM's own serving path, on the same AsyncLLM.
-    from vllm.entrypoints.openai.models.protocol import BaseModelPath
-    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
-    from vllm.entrypoints.speech_to_text.realtime.serving import OpenAIServingRealtime
-
-    backend: Any = engine.backend
-    llm = backend.llm
-    serving = OpenAIServingRealtime(
-        llm, OpenAIServingModels(llm, [BaseModelPath(name="voxtral", model_path=args.model)]),
-        request_logger=None)
-
-    async def theirs(i: int) -> Any:
+    async def theirs(i: int) -> Handle:
         audio_q: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         count = [0]
@@ -176,35 +230,222 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         return push, (lambda: count[0]), close
 
-    # Warm the engine at this batch size first (graph capture, first-shape compiles),
-    # then alternate the two paths so neither gets the cold or the warm slot.
-    await _phase(args.streams, min(8.0, args.seconds), audio, theirs)
-    rounds: list[dict[str, Any]] = []
-    for _ in range(args.rounds):
-        rounds.append({"baseline": await _phase(args.streams, args.seconds, audio, theirs),
-                       "project": await _phase(args.streams, args.seconds, audio, ours)})
+    while True:
+        cmd = await asyncio.to_thread(conn.recv)
+        if cmd["op"] == "stop":
+            break
+        path, n, seconds, first = cmd["path"], cmd["n"], cmd["seconds"], cmd["first"]
+        if path == "stock":
+            starter: Callable[[int], Awaitable[Handle]] = theirs
+        else:
+            direct = path == "direct"
+
+            async def starter(i: int, direct: bool = direct) -> Handle:
+                return await ours(i, direct)
+        try:
+            conn.send(await _phase(n, seconds, audio, starter, first))
+        except Exception as exc:
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
     await engine.aclose()
-    project, baseline = rounds[-1]["project"], rounds[-1]["baseline"]
-    ratio = (project["realtime_streams"] / baseline["realtime_streams"]
-             if baseline["realtime_streams"] else None)
-    return {**project, "vllm_version": vllm.__version__, "engine_start_s": round(start_s, 1),
-            "seconds": args.seconds, "baseline_vllm_serving": baseline,
-            "realtime_ratio_vs_baseline": ratio,
-            "fps_ratio_vs_baseline": round(project["frames_per_s_p50"]
-                                           / baseline["frames_per_s_p50"], 3),
-            "rounds": rounds}
+    conn.send({"stopped": True})
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+class FrontEnd:
+    """A front-end process and its pipe."""
+
+    def __init__(self, index: int, options: VllmEngineOptions) -> None:
+        ctx = mp.get_context("spawn")
+        self.index = index
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_front_end, args=(child, options), daemon=False)
+        self.proc.start()
+        self.info: dict[str, Any] = {}
+
+    async def ready(self, timeout_s: float = 480.0) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.conn.poll, timeout_s):
+            raise RuntimeError(f"front end {self.index} did not start in {timeout_s:.0f} s")
+        self.info = self.conn.recv()
+        if "error" in self.info:
+            raise RuntimeError(f"front end {self.index}: {self.info['error']}")
+        return self.info
+
+    async def phase(self, path: str, n: int, seconds: float, first: int) -> dict[str, Any]:
+        self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
+                        "first": first})
+        result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
+        if "error" in result:
+            raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
+        return result
+
+    async def stop(self) -> None:
+        with _suppress():
+            self.conn.send({"op": "stop"})
+            await asyncio.to_thread(self.conn.poll, 60)
+        await asyncio.to_thread(self.proc.join, 30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+# ---- orchestration --------------------------------------------------------------------
+def plan(config: str) -> list[tuple[int, str]]:
+    """(front end, path) pairs that run a configuration; sessions split evenly."""
+    path = "direct" if "direct" in config else ("stock" if config == "stock" else "project")
+    return [(1, path), (2, path)] if config.endswith("-x2") else [(0, path)]
+
+
+async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float
+                     ) -> dict[str, Any]:
+    parts = plan(config)
+    stop = asyncio.Event()
+    util: list[float] = []
+    util_task = asyncio.create_task(_gpu_util(stop, util))
+    share = [n // len(parts) + (1 if i < n % len(parts) else 0) for i in range(len(parts))]
+    firsts = [sum(share[:i]) for i in range(len(parts))]
+    results = await asyncio.gather(*(fronts[f].phase(p, k, seconds, first)
+                                     for (f, p), k, first in zip(parts, share, firsts,
+                                                                 strict=True)))
+    stop.set()
+    await util_task
+    fps = [x for r in results for x in r["fps"]]
+    backlog = sorted(x for r in results for x in r["backlog_s"])
+    realtime = sum(1 for x in fps if x >= REALTIME_FPS)
+    return {
+        "config": config, "streams": n, "realtime_streams": realtime,
+        "realtime_share": round(realtime / n, 3),
+        "frames_per_s_p50": round(statistics.median(fps), 2),
+        "frames_per_s_min": round(min(fps), 2),
+        "backlog_p99_s": round(backlog[min(len(backlog) - 1, int(0.99 * len(backlog)))], 2),
+        "front_end_us_per_chunk": round(sum(r["front_end_us_per_chunk"] * k for r, k in
+                                            zip(results, share, strict=True)) / n, 1),
+        "engine_core_us_per_chunk": round(sum(r["engine_core_us_per_chunk"] * k for r, k in
+                                              zip(results, share, strict=True)) / n, 1),
+        "gpu_util_p50": round(statistics.median(util), 1) if util else None,
+    }
+
+
+def knees(levels: dict[int, dict[str, list[dict[str, Any]]]], configs: list[str]
+          ) -> dict[str, int | None]:
+    """Per configuration, the largest level whose median real-time share over rounds is
+    ≥ 95 % with every lower level also passing."""
+    out: dict[str, int | None] = {}
+    for c in configs:
+        knee = None
+        for n in sorted(levels):
+            rounds = levels[n].get(c)
+            if not rounds or statistics.median(r["realtime_share"] for r in rounds) \
+                    < REALTIME_SHARE:
+                break
+            knee = n
+        out[c] = knee
+    return out
+
+
+def rotated(configs: list[str], k: int) -> list[str]:
+    k %= len(configs)
+    return configs[k:] + configs[:k]
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    configs = list(args.configs)
+    ladder = sorted(args.ladder) if args.find_knee else [args.streams]
+    engines = 3 if any(c.endswith("-x2") for c in configs) else 1
+    need_main = any(not c.endswith("-x2") for c in configs)
+    top = max(ladder)
+
+    def opts(streams: int) -> VllmEngineOptions:
+        return VllmEngineOptions(
+            model=args.model, max_streams=streams, max_model_len=args.max_model_len,
+            load_format=args.load_format,
+            gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3))
+
+    wanted = ([0] if need_main else []) + ([1, 2] if engines == 3 else [])
+    fronts: dict[int, FrontEnd] = {}
+    started: dict[int, Any] = {}
+    try:
+        for f in wanted:  # one at a time: vLLM profiles free memory while it starts
+            fronts[f] = FrontEnd(f, opts(top if f == 0 else (top + 1) // 2))
+            started[f] = await fronts[f].ready()
+        direct_ok = all(started[f].get("direct_check", {}).get("equal") for f in started)
+        if not direct_ok:
+            dropped = [c for c in configs if "direct" in c]
+            configs = [c for c in configs if "direct" not in c]
+        else:
+            dropped = []
+        for c in configs:  # warm every configuration at the first level
+            await run_config(fronts, c, ladder[0], min(8.0, args.seconds))
+        levels: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        alive = list(configs)
+        k = 0
+        for n in ladder:
+            levels[n] = {c: [] for c in alive}
+            for _ in range(args.rounds):
+                for c in rotated(alive, k):
+                    levels[n][c].append(await run_config(fronts, c, n, args.seconds))
+                k += 1
+            alive = [c for c in alive if statistics.median(
+                r["realtime_share"] for r in levels[n][c]) >= REALTIME_SHARE]
+            if not alive:
+                break
+    finally:
+        for fe in fronts.values():
+            await fe.stop()
+    found = knees(levels, configs)
+    summary = {n: {c: _median_row(rows) for c, rows in by.items()} for n, by in levels.items()}
+    base = found.get("stock")
+    return {
+        "vllm_version": next(iter(started.values())).get("vllm_version"),
+        "front_ends": {f: {k2: v for k2, v in s.items() if k2 != "ready"}
+                       for f, s in started.items()},
+        "configs": configs, "dropped_configs": dropped, "ladder": ladder,
+        "seconds": args.seconds, "rounds": args.rounds,
+        "gpu_memory_utilization_per_engine": round(args.gpu_memory_utilization / engines, 3),
+        "knee": found,
+        "knee_ratio_vs_stock": {c: (round(v / base, 3) if v and base else None)
+                                for c, v in found.items() if c != "stock"},
+        "by_level": summary,
+        "rounds_raw": levels,
+    }
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("realtime_share", "frames_per_s_p50", "frames_per_s_min", "backlog_p99_s",
+            "front_end_us_per_chunk", "engine_core_us_per_chunk", "gpu_util_p50")
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Voxtral model folder")
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--streams", type=int, default=64, help="one level (without --find-knee)")
+    ap.add_argument("--find-knee", action="store_true",
+                    help="climb --ladder; per configuration the largest level with ≥ 95 %% "
+                         "of sessions real time")
+    ap.add_argument("--ladder", type=int, nargs="+", default=[64, 96, 128, 160])
+    ap.add_argument("--configs", nargs="+", default=["stock", "project", "project-x2"],
+                    choices=CONFIGS)
+    ap.add_argument("--seconds", type=float, default=12.0)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--load-format", default="dummy")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                    help="for the whole GPU; each engine gets its share")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="baseline/project rounds after a warm-up; the last one is reported")
+                    help="rounds per level, order rotated; the median is reported")
     ap.add_argument("--age-min", type=float, nargs="+", default=None,
                     help="instead: cost per chunk of sessions aged this many minutes, with "
                          "and without re-anchoring (bench.voxtral_age)")

@@ -174,6 +174,16 @@ class VllmConfig(_Strict):
                                description="positions per session (× 80 ms = session cap)")
     gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1,
                                           description="share of GPU memory vLLM may take")
+    engines_per_gpu: int = Field(
+        default=1, ge=1, le=8,
+        description="ASR actors (each a vLLM engine with its own front-end process) that "
+                    "share one GPU; each takes gpu_memory_utilization / engines_per_gpu. One "
+                    "engine's per-chunk Python work, not the GPU, bounds its sessions "
+                    "(bench.voxtral_capacity)")
+    direct_input: bool = Field(
+        default=False,
+        description="build each 80 ms chunk's engine input directly instead of through "
+                    "vLLM's renderer and HF processor (checked equal on vLLM 0.26.0)")
     load_format: Literal["mistral", "dummy"] = Field(
         default="mistral", description="mistral: real weights; dummy: random (benchmarks)")
     enforce_eager: bool = Field(default=False, description="no CUDA graphs")

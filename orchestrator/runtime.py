@@ -343,10 +343,12 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         assert v is not None
         return VllmEngineOptions(
             model=e.model, max_streams=e.streams_per_actor, max_model_len=v.max_model_len,
-            gpu_memory_utilization=v.gpu_memory_utilization, load_format=v.load_format,
+            gpu_memory_utilization=round(v.gpu_memory_utilization / v.engines_per_gpu, 4),
+            load_format=v.load_format,
             enforce_eager=v.enforce_eager, cudagraph_mode=v.cudagraph_mode,
             max_num_batched_tokens=v.max_num_batched_tokens, reanchor=v.reanchor,
             reanchor_every=v.reanchor_every, rollover_headroom=v.rollover_headroom,
+            direct_input=v.direct_input,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None
@@ -499,8 +501,12 @@ class EventRuntime:
         actor_opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": -1}
         asr_cls = ray.remote(**actor_opts)(AsrActor)
         ingest_cls = ray.remote(**actor_opts)(IngestActor)
-        # The vllm engine owns one GPU per ASR actor; Ray places actors on GPU nodes.
-        asr_gpus = 1 if e.kind == "vllm" else 0
+        # The vllm engine owns a GPU, or a 1/engines_per_gpu share of one, per ASR actor;
+        # Ray places actors on GPU nodes.
+        asr_gpus: float = 0
+        if e.kind == "vllm":
+            assert e.vllm is not None
+            asr_gpus = 1 / e.vllm.engines_per_gpu
         for i in range(e.actors):
             actor_id = f"asr-{i}"
             self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}",

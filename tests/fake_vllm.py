@@ -50,6 +50,14 @@ class FakeVllmBackend:
     """Most samples the buffer held beyond what its next prompt needed."""
     shutdowns: int = 0
     stats: dict[str, Any] | None = None
+    direct_sessions: int = 0
+
+    def direct_prompts(self, audio: AsyncIterator[np.ndarray],
+                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
+        """The real one builds the same inputs another way (checked on the GPU machine,
+        workers/engines/vllm_direct.py); here: counted, then the same buffer."""
+        self.direct_sessions += 1
+        return self.prompts(audio, tokens)
 
     async def prompts(self, audio: AsyncIterator[np.ndarray],
                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:

@@ -156,6 +156,21 @@ def test_session_feeds_tokens_back_drops_empty_deltas_and_ends_cleanly() -> None
     assert engine.sessions_open == 0
 
 
+def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
+    async def go(direct: bool) -> tuple[list[str], FakeVllmBackend]:
+        backend = FakeVllmBackend()
+        session = engine_with(backend, direct_input=direct).open_session(SessionOptions("s"))
+        for i in range(26):
+            await session.push(chunk(i))
+        await session.end_input()
+        return [w.text async for d in session for w in d.committed], backend
+
+    words_off, off = run(go(False))  # type: ignore[misc]
+    words_on, on = run(go(True))  # type: ignore[misc]
+    assert (off.direct_sessions, on.direct_sessions) == (0, 1)
+    assert words_on == words_off == [" w4", " w9", " w14", " w19"]
+
+
 def test_stamps_come_from_the_output_index_not_from_arrival() -> None:
     """Audio replayed into a new session (rollover overlap, rut replay) arrives all at
     once; each word still gets the time of the audio it was decoded from."""
@@ -367,3 +382,30 @@ def test_module_imports_without_vllm_installed() -> None:
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "VllmVoxtralEngine"
+
+
+def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path: Path) -> None:
+    """A second process wanting the same GPU's start lock waits until the first lets go
+    (vLLM profiles free memory while it starts); another GPU's lock is free."""
+    from workers.engines.vllm_voxtral import gpu_start_lock
+
+    root, folder = str(Path(__file__).resolve().parent.parent), str(tmp_path)
+    code = (f"import os, sys, time; sys.path.insert(0, {root!r}); "
+            "os.environ['CUDA_VISIBLE_DEVICES'] = sys.argv[1]; "
+            "from workers.engines.vllm_voxtral import gpu_start_lock; t = time.monotonic(); "
+            f"ctx = gpu_start_lock({folder!r}); ctx.__enter__(); "
+            "print(round(time.monotonic() - t, 2)); ctx.__exit__(None, None, None)")
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    try:
+        with gpu_start_lock(str(tmp_path)):
+            same = subprocess.Popen([sys.executable, "-c", code, "0"], stdout=subprocess.PIPE)
+            other = subprocess.run([sys.executable, "-c", code, "1"], capture_output=True,
+                                   text=True, timeout=60)
+            time.sleep(3.0)
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    out, _ = same.communicate(timeout=60)
+    assert float(other.stdout) < 1.0  # GPU 1: not held
+    assert float(out) >= 1.0  # GPU 0: waited for the holder

@@ -51,6 +51,9 @@ class VllmEngineOptions:
     (one bf16 rounding); between them the token history grows by this much."""
     rollover_headroom: int | None = None
     """Sessions beyond max_streams (warm rollovers, rut restarts); None: a quarter, ≥ 1."""
+    direct_input: bool = False
+    """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
+    instead of through vLLM's renderer and HF processor."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,8 @@ class VllmVoxtralSession(RecognizeSession):
         self.fed_samples = 0  # audio handed to the model's buffer
         self._frames = FrameMap()
         self._last_end = 0.0
+        # each chunk's engine input built directly instead of by vLLM's renderer
+        self.direct_input = engine.options.direct_input
 
     def _allowance(self) -> int:
         """Samples the model's buffer may hold: its next prompt plus a few frames."""
@@ -117,7 +119,8 @@ class VllmVoxtralSession(RecognizeSession):
         finished = False
         every = engine.options.reanchor_every if engine.reanchoring else None
         try:
-            async for out in backend.generate(backend.prompts(audio(), tokens),
+            prompts = backend.direct_prompts if self.direct_input else backend.prompts
+            async for out in backend.generate(prompts(audio(), tokens),
                                               self.request_id, every):
                 if not out.outputs:
                     continue

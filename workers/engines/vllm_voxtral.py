@@ -36,8 +36,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
-from collections.abc import AsyncIterator
+import os
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -87,6 +90,9 @@ class VllmBackend(Protocol):
     def prompts(self, audio: AsyncIterator[np.ndarray],
                 tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]: ...
 
+    def direct_prompts(self, audio: AsyncIterator[np.ndarray],
+                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]: ...
+
     def generate(self, prompts: AsyncIterator[Any], request_id: str,
                  reanchor_every: int | None) -> AsyncIterator[Any]: ...
 
@@ -95,6 +101,22 @@ class VllmBackend(Protocol):
     async def reanchor_stats(self) -> dict[str, Any] | None: ...
 
     def shutdown(self) -> None: ...
+
+
+@contextlib.contextmanager
+def gpu_start_lock(folder: str | None = None) -> Iterator[None]:
+    """Engines that share a GPU (`engines_per_gpu` > 1) start one at a time: vLLM sizes
+    its KV cache from the free memory it profiles while it starts, and another engine
+    loading at the same moment makes that profile wrong (or fails it). A file lock per
+    visible GPU set, on this host; released when the engine is up or has failed."""
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "_") or "none"
+    path = os.path.join(folder or tempfile.gettempdir(), f"babelcast-vllm-start-{gpus}.lock")
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class _AsyncLLMBackend:
@@ -114,12 +136,15 @@ class _AsyncLLMBackend:
         if options.reanchor == "on" and not self.reanchor_requested:
             log.warning("vllm %s has no scheduler_cls/worker_cls: re-anchoring is off",
                         self.version)
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            **engine_kwargs(options, available, reanchor=self.reanchor_requested)))
+        args = AsyncEngineArgs(**engine_kwargs(options, available,
+                                               reanchor=self.reanchor_requested))
+        with gpu_start_lock():
+            self.llm = AsyncLLM.from_engine_args(args)
         self.model_cls: Any = get_model_cls(self.llm.model_config)
         self._sampling = SamplingParams
         self._kind = RequestOutputKind.DELTA
         self.sampling = self._params(None)
+        self._direct: Any = None  # vllm_direct.DirectChunkBuilder, made on first use
 
     def _params(self, reanchor_every: int | None) -> Any:
         return self._sampling.from_optional(
@@ -155,6 +180,15 @@ class _AsyncLLMBackend:
             (engine_input,) = await self.llm.renderer.render_cmpl_async(
                 [parse_model_prompt(model_config, prompt)])
             yield StreamingInput(prompt=engine_input)
+
+    def direct_prompts(self, audio: AsyncIterator[np.ndarray],
+                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
+        """`prompts`, with each chunk's engine input built directly (vllm_direct.py)."""
+        from workers.engines.vllm_direct import DirectChunkBuilder, direct_prompts
+
+        if self._direct is None:
+            self._direct = DirectChunkBuilder.for_llm(self.llm)
+        return direct_prompts(self.llm, self.model_cls, audio, tokens, self._direct)
 
     def generate(self, prompts: AsyncIterator[Any], request_id: str,
                  reanchor_every: int | None) -> AsyncIterator[Any]:
