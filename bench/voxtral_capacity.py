@@ -180,8 +180,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
     async def ours(i: int, direct: bool) -> Handle:
         session = engine.open_session(SessionOptions(f"ours{i}", "auto"))
-        if direct:
-            session.direct_input = True  # type: ignore[attr-defined]
+        session.direct_input = direct  # type: ignore[attr-defined]  # whatever auto chose
         pos = [0]
 
         async def drain() -> None:

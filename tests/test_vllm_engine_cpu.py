@@ -26,6 +26,7 @@ from workers.engines.vllm_voxtral import (
     capabilities_for,
     engine_kwargs,
     read_geometry,
+    wants_direct,
     wants_reanchor,
 )
 from workers.events import SAMPLE_RATE, AudioChunk, Word
@@ -159,7 +160,8 @@ def test_session_feeds_tokens_back_drops_empty_deltas_and_ends_cleanly() -> None
 def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
     async def go(direct: bool) -> tuple[list[str], FakeVllmBackend]:
         backend = FakeVllmBackend()
-        session = engine_with(backend, direct_input=direct).open_session(SessionOptions("s"))
+        engine = engine_with(backend, direct_input="on" if direct else "off")
+        session = engine.open_session(SessionOptions("s"))
         for i in range(26):
             await session.push(chunk(i))
         await session.end_input()
@@ -168,6 +170,11 @@ def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
     words_off, off = run(go(False))  # type: ignore[misc]
     words_on, on = run(go(True))  # type: ignore[misc]
     assert (off.direct_sessions, on.direct_sessions) == (0, 1)
+    # "auto" decides by the installed vLLM's version: a backend without one keeps the renderer
+    assert engine_with(FakeVllmBackend()).direct_input is False
+    assert wants_direct(VllmEngineOptions(model="/m"), "0.26.0")
+    assert not wants_direct(VllmEngineOptions(model="/m"), "0.33.0")
+    assert not wants_direct(VllmEngineOptions(model="/m", direct_input="off"), "0.26.0")
     assert words_on == words_off == [" w4", " w9", " w14", " w19"]
 
 

@@ -20,6 +20,7 @@ AHEAD_FRAMES = 2
 """Audio handed to the model's buffer beyond what its next prompt needs."""
 SLACK_POSITIONS = 16
 """Positions kept free below max_model_len: a switch lands up to one chunk late."""
+DIRECT_TESTED = ("0.26.",)  # vllm_direct.check_equal + compare_generate on the H200
 REANCHOR_TESTED = ("0.26.",)
 """vLLM versions the re-anchoring plugin was run on (the H200); "auto" uses it only there."""
 SCHEDULER_CLS = "workers.engines.vllm_reanchor.scheduler.ReanchorAsyncScheduler"
@@ -51,9 +52,10 @@ class VllmEngineOptions:
     (one bf16 rounding); between them the token history grows by this much."""
     rollover_headroom: int | None = None
     """Sessions beyond max_streams (warm rollovers, rut restarts); None: a quarter, ≥ 1."""
-    direct_input: bool = False
+    direct_input: Literal["auto", "on", "off"] = "auto"
     """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
-    instead of through vLLM's renderer and HF processor."""
+    instead of through vLLM's renderer and HF processor. auto: on the vLLM versions
+    where the two were checked equal byte for byte (0.26.x)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,14 @@ def wants_reanchor(o: VllmEngineOptions, version: str, available: set[str]) -> b
     if o.reanchor == "off" or not {"scheduler_cls", "worker_cls"} <= available:
         return False
     return o.reanchor == "on" or version.startswith(REANCHOR_TESTED)
+
+
+def wants_direct(o: VllmEngineOptions, version: str) -> bool:
+    """The builder mirrors one vLLM version's renderer output; elsewhere `auto` keeps
+    vLLM's renderer (a chunk the builder does not recognise uses the renderer anyway)."""
+    if o.direct_input == "off":
+        return False
+    return o.direct_input == "on" or version.startswith(DIRECT_TESTED)
 
 
 def engine_kwargs(o: VllmEngineOptions, available: set[str], *,

@@ -60,7 +60,7 @@ class VllmVoxtralSession(RecognizeSession):
         self._frames = FrameMap()
         self._last_end = 0.0
         # each chunk's engine input built directly instead of by vLLM's renderer
-        self.direct_input = engine.options.direct_input
+        self.direct_input = engine.direct_input
 
     def _allowance(self) -> int:
         """Samples the model's buffer may hold: its next prompt plus a few frames."""

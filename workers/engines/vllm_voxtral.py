@@ -69,6 +69,7 @@ from workers.engines.vllm_options import (  # re-exported: the engine's public n
     headroom,
     max_session_s,
     read_geometry,
+    wants_direct,
     wants_reanchor,
 )
 from workers.engines.vllm_session import FrameMap, VllmVoxtralSession
@@ -78,7 +79,7 @@ log = logging.getLogger(__name__)
 __all__ = ["AHEAD_FRAMES", "DEFAULT_GEOMETRY", "FRAME", "FRAME_S", "SCHEDULER_CLS",
            "SLACK_POSITIONS", "WORKER_CLS", "FrameMap", "StreamGeometry", "VllmEngineOptions",
            "VllmVoxtralEngine", "VllmVoxtralSession", "capabilities_for", "engine_kwargs",
-           "headroom", "max_session_s", "read_geometry", "wants_reanchor"]
+           "headroom", "max_session_s", "read_geometry", "wants_direct", "wants_reanchor"]
 
 
 class VllmBackend(Protocol):
@@ -214,6 +215,8 @@ class VllmVoxtralEngine(SpeechEngine):
         self._backend = backend
         self.reanchoring = reanchoring
         self.geometry = geometry or DEFAULT_GEOMETRY
+        # injected backends (tests) follow "on"/"off"; a real one decides by version in start()
+        self.direct_input = options.direct_input == "on"
         self.max_sessions = options.max_streams + headroom(options)
         self.sessions_open = 0
         self.aborts = 0
@@ -245,6 +248,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.geometry = read_geometry(self.options.model)
         real = await asyncio.to_thread(_AsyncLLMBackend, self.options)
         self._backend = real
+        self.direct_input = wants_direct(self.options, real.version)
         if real.reanchor_requested:
             try:
                 self.reanchor_probe = await real.probe()
@@ -324,7 +328,9 @@ class VllmVoxtralEngine(SpeechEngine):
 
     def describe(self) -> dict[str, str]:
         version = getattr(self._backend, "version", "")
-        return {"engine_mode": self.mode, **({"vllm": version} if version else {})}
+        return {"engine_mode": self.mode,
+                "engine_input": "direct" if self.direct_input else "renderer",
+                **({"vllm": version} if version else {})}
 
     def stats(self) -> dict[str, float]:
         counts = self.reanchor_counts
