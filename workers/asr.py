@@ -17,13 +17,13 @@ import functools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
 
 from workers.backlog import BacklogGuard
-from workers.bus import RETRYABLE, RedisBus, retry_redis
+from workers.bus import RETRYABLE, RedisBus, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
 from workers.engines.vad import VadService
@@ -76,6 +76,11 @@ class AsrHostOptions:
     max_backlog_s: float = 20.0
     """Audio seconds one stream may get ahead of real time in this actor (a publisher's
     catch-up burst fits); beyond it its audio is skipped (see workers.backlog)."""
+    max_catchup_s: float = 15.0
+    """A stream that comes to this actor from another (a restart, a failover) resumes
+    where its last final ended, at most this far behind the live edge, and catches up
+    faster than real time; audio older than that is skipped and counted. Below
+    `max_backlog_s`, so the catch-up burst is admitted."""
     vad_process: bool = False
     """Voice activity in a helper process (GPU actors: keeps Silero, which holds the
     GIL, off the event loop that also runs vLLM's front end)."""
@@ -100,12 +105,20 @@ class _StreamRunner:
         self._last_caption_at = 0.0
         self._speech_since_caption = 0.0
         self._voiced_seen = 0.0
+        # Failover: the audio entries handed to the session (id, end sample), to find
+        # where a final's audio ended; words ending at or before floor_s were captioned
+        # by the stream's previous owner.
+        self._consumed: deque[tuple[str, int]] = deque(maxlen=3000)
+        self.floor_s = 0.0
 
     @property
     def bus(self) -> RedisBus:
         return self.host.bus
 
-    async def start(self) -> None:
+    async def start(self, resumed: bool = False) -> None:
+        """`resumed`: the audio after the previous owner's last final is read again, so
+        a caption it left open is decoded again and goes on; otherwise it is closed as
+        it was shown."""
         lang = self.opts.caption_lang
         last = await self.bus.last_caption(self.opts.stream_id, lang)
         # The Stream's last generated id, not its last entry: it stays when entries were
@@ -120,6 +133,13 @@ class _StreamRunner:
             next_segment_id=last.segment_id + 1 if last else 1,
             wall_of=self.walls.wall_of,
         )
+        if last is not None and not last.is_final and last.text:
+            if resumed:
+                self.segmenter.resume(last)
+            else:
+                closed = self.segmenter.close(last)
+                await retry_redis(functools.partial(self.bus.publish_caption, closed),
+                                  what=f"stream {self.opts.stream_id}", log=log)
         self.session = self._open()
         self._zero_series()
         self.task = asyncio.create_task(self._consume(), name=f"asr:{self.opts.stream_id}")
@@ -154,22 +174,46 @@ class _StreamRunner:
         manager.start()
         return manager
 
-    async def push(self, item: AudioChunk | AudioGap) -> None:
+    async def push(self, item: AudioChunk | AudioGap, entry_id: str | None = None) -> None:
         if isinstance(item, AudioChunk):
+            if entry_id is not None:
+                self._consumed.append((entry_id, item.pos + item.samples))
             self.walls.add(item)
             self._audio_unexported += item.samples / SAMPLE_RATE
             self.host.audio_s += item.samples / SAMPLE_RATE
         if self.session is not None:
             await self.session.push(item)
 
+    def _above_floor(self, delta: TranscriptDelta) -> TranscriptDelta:
+        """Without the words the previous owner already made final (audio read again
+        after a failover starts a little before its last final's end)."""
+        floor = self.floor_s + 0.01
+        return replace(delta, committed=tuple(w for w in delta.committed if w.end_s > floor),
+                       tentative=tuple(w for w in delta.tentative if w.end_s > floor))
+
+    async def _save_cursor(self, seg: CaptionSegment) -> None:
+        end = round(seg.audio_end_s * SAMPLE_RATE)
+        after = next((i for i, e in reversed(self._consumed) if e <= end), None)
+        if after is None:
+            return
+        try:
+            await self.bus.save_cursor(self.opts.stream_id, after, seg.audio_end_s)
+        except RETRYABLE as exc:  # the next final writes it again
+            log.warning("stream %s: cursor not written: %s", self.opts.stream_id,
+                        type(exc).__name__)
+
     async def _publish(self, delta: TranscriptDelta) -> None:
         assert self.segmenter is not None
+        if self.floor_s:
+            delta = self._above_floor(delta)
         for seg in self.segmenter.feed(delta):
             # Held until Redis takes it: its seq is given, and a seq never published
             # would be a hole every client sees.
             await retry_redis(functools.partial(self.bus.publish_caption, seg),
                               what=f"stream {self.opts.stream_id}", log=log)
             self._count_caption(seg)
+            if seg.is_final and seg.text:
+                await self._save_cursor(seg)
             fields: dict[str, str | float | int] = {
                 "asr_state": "captioning",
                 "last_caption_at": seg.emit_time,
@@ -347,12 +391,38 @@ class AsrHost:
             raise RuntimeError(
                 f"actor {self.options.actor_id} is full ({self.options.max_streams} streams)"
             )
+        sid = opts.stream_id
+        live = await self.bus.last_audio_id(sid)
+        start_id, floor_s, skipped_s = live, 0.0, 0.0
+        cursor = await self.bus.load_cursor(sid)
+        if cursor is not None and live != "0-0":
+            # The stream had an owner: go on after its last final (a restart, a
+            # failover), so what was said meanwhile is captioned, not skipped.
+            after_id, floor_s = cursor
+            behind_ms = entry_ms(live) - entry_ms(after_id)
+            limit_ms = round(self.options.max_catchup_s * 1000)
+            if 0 <= behind_ms <= limit_ms:
+                start_id = after_id
+            elif behind_ms > limit_ms:
+                start_id = f"{entry_ms(live) - limit_ms}-0"
+                skipped_s = (behind_ms - limit_ms) / 1000
+            else:  # the cursor is newer than the audio: Redis came back empty
+                floor_s = 0.0
         runner = _StreamRunner(self, opts)
-        await runner.start()
-        self._runners[opts.stream_id] = runner
-        # Start at the live edge: audio older than this was captioned by whoever
-        # had the stream before, or nobody was listening.
-        self._cursors[opts.stream_id] = await self.bus.last_audio_id(opts.stream_id)
+        runner.floor_s = floor_s
+        await runner.start(resumed=start_id != live)
+        self._runners[sid] = runner
+        self._cursors[sid] = start_id
+        if start_id != live:
+            log.info("stream %s resumes %.1f s behind the live edge", sid,
+                     (entry_ms(live) - entry_ms(start_id)) / 1000)
+            with contextlib.suppress(*RETRYABLE):
+                await self.bus.incr_status(sid, "resumes")
+        if skipped_s:
+            log.warning("stream %s: %.1f s of audio older than max_catchup_s skipped", sid,
+                        skipped_s)
+            with contextlib.suppress(*RETRYABLE):
+                await self.bus.incr_status(sid, "resume_skipped_s", round(skipped_s, 3))
         self._wake.set()
 
     async def remove_stream(self, stream_id: str) -> None:
@@ -399,7 +469,7 @@ class AsrHost:
                     continue
                 if item is not None:
                     try:
-                        await runner.push(item)
+                        await runner.push(item, entry_id)
                     except Exception as exc:
                         log.warning("stream %s: push failed: %s", stream, type(exc).__name__)
 

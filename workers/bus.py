@@ -61,6 +61,15 @@ def actor_key(actor_id: str) -> str:
     return f"actor:{actor_id}"
 
 
+def cursor_key(stream: str) -> str:
+    return f"asr:cursor:{stream}"
+
+
+def entry_ms(entry_id: str) -> int:
+    """The millisecond part of a Redis Stream entry id (Redis's clock when it was added)."""
+    return int(entry_id.split("-", 1)[0])
+
+
 def done_key(stream: str, lang: str, segment_id: int) -> str:
     return f"mt:done:{stream}:{lang}:{segment_id}"
 
@@ -198,6 +207,20 @@ class RedisBus:
     async def last_audio_id(self, stream: str) -> str:
         entries = await self.redis.xrevrange(audio_key(stream), count=1)
         return as_str(entries[0][0]) if entries else "0-0"
+
+    async def save_cursor(self, stream: str, after_id: str, final_end_s: float) -> None:
+        """Where a new owner of the stream resumes: after audio entry `after_id` (the
+        last one that ended at or before the last final), words up to `final_end_s`
+        already captioned."""
+        await self.redis.hset(cursor_key(stream), mapping={
+            "after_id": after_id, "final_end_s": repr(final_end_s), "at": repr(time.time())})
+
+    async def load_cursor(self, stream: str) -> tuple[str, float] | None:
+        raw = await self.redis.hgetall(cursor_key(stream))
+        try:
+            return as_str(raw[b"after_id"]), float(raw[b"final_end_s"])
+        except (KeyError, ValueError):
+            return None
 
     async def read_audio(
         self, cursors: Mapping[str, str], block_ms: int = 500, count: int = 50

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from workers.captions.linebreak import WEB, LineProfile, break_lines
 from workers.events import CaptionSegment, TranscriptDelta, Word
@@ -57,6 +58,24 @@ class Segmenter:
         self._tentative: list[Word] = []
         self._revision = 0
         self._last_text: str | None = None
+
+    def resume(self, open_seg: CaptionSegment) -> None:
+        """Go on with a caption a previous owner of the stream left open: its audio is
+        decoded again, so the next publication replaces it (same segment id) and it is
+        made final once."""
+        self.segment_id = open_seg.segment_id
+        self._revision = open_seg.revision
+        self._last_text = open_seg.text
+
+    def close(self, open_seg: CaptionSegment) -> CaptionSegment:
+        """Close, as it was shown, a caption a previous owner left open and whose audio
+        will not be decoded again."""
+        seg = replace(open_seg, seq=self.next_seq, revision=open_seg.revision + 1,
+                      is_final=True, stable_prefix_len=len(open_seg.text),
+                      emit_time=self._clock())
+        self.next_seq += 1
+        self.segment_id = open_seg.segment_id + 1
+        return seg
 
     def feed(self, delta: TranscriptDelta) -> list[CaptionSegment]:
         out: list[CaptionSegment] = []
