@@ -391,6 +391,11 @@ class _HostActor:
         await self._ensure()
         return dict(await self.host.health())
 
+    async def watch(self) -> None:
+        """Never returns: the supervisor keeps one call pending per actor, and Ray fails
+        it the moment the actor's process dies — the death signal, without polling."""
+        await asyncio.Event().wait()
+
     async def state(self) -> dict[str, Any]:
         """Like health, but never waits for a starting engine (a vLLM engine takes a
         minute or two to load): {"started": False} until it is up."""
@@ -441,6 +446,10 @@ class TranslatorActor:
     async def health(self) -> dict[str, Any]:
         await self.start()
         return dict(await self.host.health())
+
+    async def watch(self) -> None:
+        """See _HostActor.watch."""
+        await asyncio.Event().wait()
 
     async def stats(self) -> dict[str, float]:
         return self.host.stats()
@@ -660,11 +669,36 @@ class EventRuntime:
                     stream_options(streams[sid], self.cfg.translation))
         return problems
 
-    async def supervise(self, every_s: float = 5.0) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            with contextlib.suppress(Exception):
-                await self.reconcile()
+    async def supervise(self, every_s: float = 5.0, min_gap_s: float = 0.5) -> None:
+        """Reconcile every `every_s`, and at once when an actor dies: one pending
+        `watch()` call per actor fails when its process goes (Ray's death signal), so a
+        restarted actor gets its streams back as soon as it answers, not a poll later."""
+        died = asyncio.Event()
+        watches: dict[int, asyncio.Task[None]] = {}
+
+        async def watch(handle: Any) -> None:
+            try:
+                await handle.watch.remote()
+            except Exception:
+                died.set()
+
+        try:
+            while True:
+                handles = [*self.asr.values(), *self.ingest.values(),
+                           *self.translators.values()]
+                for handle in handles:
+                    task = watches.get(id(handle))
+                    if task is None or task.done():
+                        watches[id(handle)] = asyncio.create_task(watch(handle))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(died.wait(), every_s)
+                died.clear()
+                with contextlib.suppress(Exception):
+                    await self.reconcile()
+                await asyncio.sleep(min_gap_s)  # a restarting actor fails watches at once
+        finally:
+            for task in watches.values():
+                task.cancel()
 
     async def stop(self) -> None:
         handles = [*self.ingest.values(), *self.asr.values(), *self.translators.values()]

@@ -59,6 +59,7 @@ async def test_a_killed_asr_actor_is_replaced_and_the_speech_meanwhile_is_captio
     runtime.router = Router(budget=2, actors=["asr-0"])
     readds_before = metrics.STREAM_READDS.labels(actor="asr-0")._value.get()
     fed = [0]  # samples written so far
+    tasks: list[asyncio.Task[None]] = []
 
     async def feed() -> None:
         t0 = time.monotonic()
@@ -72,12 +73,16 @@ async def test_a_killed_asr_actor_is_replaced_and_the_speech_meanwhile_is_captio
         await runtime.place_all()
         first_pid = (await actor.state.remote())["pid"]
         feeder = asyncio.create_task(feed())
+        tasks.append(feeder)
+        # The supervisor as `babelcast run` starts it, but with a poll too slow to matter:
+        # only Ray's death signal can bring the stream back in time.
+        supervisor = asyncio.create_task(runtime.supervise(every_s=120))
+        tasks.append(supervisor)
         await eventually(lambda: _fed_past(fed, KILL_AT_S), 60, "the talk up to the kill")
         ray.kill(actor, no_restart=False)  # the process dies; Ray starts another
         killed_at_s = fed[0] / SAMPLE_RATE
 
         async def readded() -> bool:
-            await runtime.reconcile(timeout_s=5)
             try:
                 state = await asyncio.wait_for(actor.state.remote(), 5)
                 return state["pid"] != first_pid and bool(
@@ -85,8 +90,9 @@ async def test_a_killed_asr_actor_is_replaced_and_the_speech_meanwhile_is_captio
             except Exception:
                 return False
 
-        await eventually(readded, 60, "the stream on the restarted actor")
+        await eventually(readded, 30, "the stream on the restarted actor")
         back_at_s = fed[0] / SAMPLE_RATE
+        supervisor.cancel()
         await feeder
 
         async def settled() -> bool:
@@ -96,6 +102,8 @@ async def test_a_killed_asr_actor_is_replaced_and_the_speech_meanwhile_is_captio
         await eventually(settled, 60, "the last sentence made final")
         status = await bus.get_status("hall")
     finally:
+        for task in tasks:
+            task.cancel()
         ray.kill(actor, no_restart=True)
 
     caps = await bus.captions_after("hall", "en", 0, count=10_000)
@@ -105,6 +113,7 @@ async def test_a_killed_asr_actor_is_replaced_and_the_speech_meanwhile_is_captio
     print(f"killed at {killed_at_s:.1f} s of audio, stream back at {back_at_s:.1f} s, "
           f"WER {wer:.3f}, {len(finals)} finals")
     assert back_at_s > killed_at_s + 0.5, "the outage left no audio to catch up on"
+    assert back_at_s < killed_at_s + 10, "the supervisor did not act on the actor's death"
     assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
     ids = [c.segment_id for c in finals]
     assert ids == sorted(set(ids)), "a caption was made final twice"
