@@ -242,6 +242,10 @@ class EngineConfig(_Strict):
                     "(0 for vLLM; about 25 for another Babelcast's /v1/realtime, which sends "
                     "a caption's text once it is final)")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
+    failover_after_s: float = Field(
+        default=3.0, ge=0.5, le=600,
+        description="an ASR actor out of reach this long (dead for good: at once) has its "
+                    "streams moved to other actors with room; they resume from their cursor")
     streams_per_actor: int = Field(
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "

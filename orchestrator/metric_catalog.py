@@ -212,6 +212,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _gw("babelcast_stream_readds_total", "counter",
         "Streams the supervisor added again to an actor that had lost them (it restarted)",
         "actor"),
+    _gw("babelcast_stream_moves_total", "counter",
+        "Streams the supervisor moved from an actor out of reach for engine.failover_after_s "
+        "(or dead for good) to another actor with room", "actor"),
     _gw("babelcast_engine_replacements_total", "counter",
         "ASR actors the supervisor replaced because their engine was dead", "actor"),
     # ---- outputs (orchestrator/outputs) ----

@@ -2,7 +2,8 @@
 
 Placement is sticky (a stream keeps its actor while that actor lives: moving a
 stream costs its session) and otherwise fills the least loaded actor first,
-so rooms spread over GPUs instead of piling onto the first one.
+so rooms spread over GPUs instead of piling onto the first one. A stream whose
+actor stays out of reach moves to the least loaded actor with room (`move`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class Router:
                 "engine.streams_per_actor"
             )
         # Least loaded first; ties go to the actor listed first (stable placement).
+        actor = min(free, key=lambda a: (self.load(a), self.actors.index(a)))
+        self.pins[stream_id] = actor
+        return actor
+
+    def move(self, stream_id: str, avoid: set[str]) -> str | None:
+        """Pin a stream to the least loaded actor outside `avoid` that has room (its
+        actor is down); None when none has room (it stays where it is)."""
+        free = [a for a in self.actors if a not in avoid and self.load(a) < self.budget]
+        if not free:
+            return None
         actor = min(free, key=lambda a: (self.load(a), self.actors.index(a)))
         self.pins[stream_id] = actor
         return actor

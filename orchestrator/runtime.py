@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from redis.asyncio import Redis
 
 from orchestrator import metric_catalog, metrics
@@ -476,6 +476,8 @@ class EventRuntime:
     # process is gone, so a pass that still reaches that pid must wait, not kill again (a
     # second kill would land on the fresh replacement)
     _replacing: dict[str, int] = field(default_factory=dict)
+    # actor id -> monotonic time the supervisor first failed to reach it
+    _down_since: dict[str, float] = field(default_factory=dict)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -614,10 +616,15 @@ class EventRuntime:
         assert self.router is not None
         problems: list[str] = []
         streams = {s.id: s for s in self.cfg.streams}
+        failover_s = self.cfg.engine.failover_after_s
         for actor_id, handle in self.asr.items():
             want = {s for s, a in self.router.pins.items() if a == actor_id}
+            now = time.monotonic()
             try:
-                state = await asyncio.wait_for(handle.state.remote(), timeout_s)
+                # A restarted process answers at once (state never waits for the engine);
+                # one that does not answer within failover_after_s counts as down.
+                state = await asyncio.wait_for(handle.state.remote(),
+                                               min(timeout_s, failover_s))
                 if state.get("pid") is not None and \
                         self._replacing.get(actor_id) == state["pid"]:
                     problems.append(f"{actor_id}: replacement pending")
@@ -636,16 +643,30 @@ class EventRuntime:
                     problems.append(f"{actor_id}: engine dead, actor replaced")
                     continue
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+            except ActorDiedError as exc:  # dead for good (no restart left): move now
+                problems.append(f"{actor_id}: {type(exc).__name__}")
+                self._actor_up(actor_id, "asr", False)
+                self._down_since.setdefault(actor_id, now - failover_s)
+                continue
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "asr", False)
+                self._down_since.setdefault(actor_id, now)
                 continue
+            self._down_since.pop(actor_id, None)
             self._actor_up(actor_id, "asr", True)
+            for sid in sorted(have - want):
+                # moved away while this actor was out of reach: one owner per stream
+                log.warning("stream %s moved off %s; removing it there", sid, actor_id)
+                await handle.remove_stream.remote(sid)
             for sid in sorted(want - have):
                 log.warning("re-adding stream %s to %s", sid, actor_id)
                 metrics.STREAM_READDS.labels(actor=actor_id).inc()
                 await handle.add_stream.remote(
                     stream_options(streams[sid], self.cfg.translation))
+        for actor_id, since in list(self._down_since.items()):
+            if time.monotonic() - since >= failover_s:
+                problems.extend(await self._move_streams(actor_id, streams))
         for actor_id, handle in self.translators.items():
             try:  # a restarted translator starts consuming again
                 await asyncio.wait_for(handle.start.remote(), timeout_s)
@@ -669,17 +690,40 @@ class EventRuntime:
                     stream_options(streams[sid], self.cfg.translation))
         return problems
 
+    async def _move_streams(self, actor_id: str, streams: dict[str, StreamConfig]
+                            ) -> list[str]:
+        """The streams of an actor that is down go to the least loaded actors that are
+        up and have room; each resumes there from its ASR cursor in Redis."""
+        assert self.router is not None
+        problems: list[str] = []
+        for sid in sorted(s for s, a in self.router.pins.items() if a == actor_id):
+            target = self.router.move(sid, avoid=set(self._down_since))
+            if target is None:
+                problems.append(f"{sid}: no actor with room to move to")
+                continue
+            log.warning("stream %s: actor %s is down; moving it to %s", sid, actor_id, target)
+            metrics.STREAM_MOVES.labels(actor=target).inc()
+            try:
+                await asyncio.wait_for(self.asr[target].add_stream.remote(
+                    stream_options(streams[sid], self.cfg.translation)), 30)
+            except Exception as exc:  # pinned there: the next pass re-adds it
+                problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
+        self._export_placement()
+        return problems
+
     async def supervise(self, every_s: float = 5.0, min_gap_s: float = 0.5) -> None:
         """Reconcile every `every_s`, and at once when an actor dies: one pending
         `watch()` call per actor fails when its process goes (Ray's death signal), so a
         restarted actor gets its streams back as soon as it answers, not a poll later."""
         died = asyncio.Event()
         watches: dict[int, asyncio.Task[None]] = {}
+        failed_at: dict[int, float] = {}
 
         async def watch(handle: Any) -> None:
             try:
                 await handle.watch.remote()
             except Exception:
+                failed_at[id(handle)] = time.monotonic()
                 died.set()
 
         try:
@@ -688,10 +732,20 @@ class EventRuntime:
                            *self.translators.values()]
                 for handle in handles:
                     task = watches.get(id(handle))
-                    if task is None or task.done():
+                    # A failed watch is armed again once the actor is not known to be
+                    # down, and not within 2 s: a dead actor's watch fails at once.
+                    if task is None or (
+                            task.done() and self._actor_of(handle) not in self._down_since
+                            and time.monotonic() - failed_at.get(id(handle), 0.0) >= 2.0):
                         watches[id(handle)] = asyncio.create_task(watch(handle))
+                # A pass when an actor dies, every `every_s`, and when an actor that is
+                # down has been down for failover_after_s (its streams move then).
+                wait_s = every_s
+                if self._down_since:
+                    due = min(self._down_since.values()) + self.cfg.engine.failover_after_s
+                    wait_s = max(0.0, min(every_s, due - time.monotonic()))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(died.wait(), every_s)
+                    await asyncio.wait_for(died.wait(), wait_s)
                 died.clear()
                 with contextlib.suppress(Exception):
                     await self.reconcile()
@@ -699,6 +753,13 @@ class EventRuntime:
         finally:
             for task in watches.values():
                 task.cancel()
+
+    def _actor_of(self, handle: Any) -> str:
+        for group in (self.asr, self.ingest, self.translators):
+            for actor_id, h in group.items():
+                if h is handle:
+                    return actor_id
+        return ""
 
     async def stop(self) -> None:
         handles = [*self.ingest.values(), *self.asr.values(), *self.translators.values()]
