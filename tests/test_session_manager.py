@@ -2,7 +2,7 @@
 
 All scenarios play at wall-clock pace, at the same time, on one engine (its
 decode thread is shared, as in an ASR actor), so the module takes ~3 minutes:
-- a ~2-minute talk twice: with a 20 s session budget (warm rollovers) and without;
+- a ~1.6-minute talk twice: with a 14 s session budget (warm rollovers) and without;
 - the talk through an engine that goes mute after 30 s of a session's audio;
 - 60 s of room tone (no speech) through an engine that is mute from the start;
 - the talk through an engine whose first session raises after 8 s;
@@ -39,7 +39,7 @@ from workers.sessions.manager import SessionManager, SessionPolicy
 pytestmark = pytest.mark.integration
 
 CHUNK = SAMPLE_RATE // 10
-ROLLOVER = SessionPolicy(budget_s=20.0, margin_s=6.0, overlap_s=3.0)
+ROLLOVER = SessionPolicy(budget_s=14.0, margin_s=5.0, overlap_s=3.0)
 
 
 @dataclass
@@ -129,7 +129,7 @@ def results() -> dict[str, Any]:
     async def run_all() -> dict[str, Any]:
         engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model="tiny.en", cpu_threads=2))
         await engine.start()
-        pcm, text = talk(2.2)  # ≥ 6 switches at a 20 s budget
+        pcm, text = talk(1.6)  # ≥ 6 switches at a 14 s budget
         mute = MuteAfterEngine(engine, after_s=30.0, sessions=1)
         silent = MuteAfterEngine(engine, after_s=0.0)
         raising = RaisingEngine(engine, after_s=8.0, sessions=1)
