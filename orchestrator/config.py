@@ -243,7 +243,7 @@ class EngineConfig(_Strict):
                     "a caption's text once it is final)")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
     failover_after_s: float = Field(
-        default=3.0, ge=0.5, le=600,
+        default=2.0, ge=0.5, le=600,
         description="an ASR actor out of reach this long (dead for good: at once) has its "
                     "streams moved to other actors with room; they resume from their cursor")
     streams_per_actor: int = Field(
@@ -593,6 +593,11 @@ class EventConfig(_Strict):
         problems += [(("gateway", "allowed_origins", *loc), msg, v)
                      for loc, msg, v in origin_problems(self.gateway.allowed_origins)]
         problems += listen_port_problems(self.streams)
+        if self.ray.address is not None and self.redis.url is None:
+            problems.append((("redis", "url"), "ray.address runs actors on other machines, "
+                             "which cannot reach a redis-server started on this one (it "
+                             "listens on 127.0.0.1): set redis.url to a Redis every node "
+                             "reaches", None))
         _raise_at("EventConfig", problems)
         return self
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -399,9 +400,10 @@ class _HostActor:
     async def state(self) -> dict[str, Any]:
         """Like health, but never waits for a starting engine (a vLLM engine takes a
         minute or two to load): {"started": False} until it is up."""
+        where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
         if not self._started:
-            return {"started": False, "pid": os.getpid()}
-        return {"started": True, "pid": os.getpid(), **await self.host.health()}
+            return {"started": False, **where}
+        return {"started": True, **where, **await self.host.health()}
 
     async def stop(self) -> None:
         if self._started:
@@ -459,6 +461,16 @@ class TranslatorActor:
             await self.host.stop()
 
 
+def ray_namespace(event: str) -> str:
+    """The Ray namespace of an event's actors. Actor names (`babelcast-asr-0`, ...) are
+    unique within it, so two events can share one cluster. The actors are owned by the
+    `babelcast run` that made them, not detached: they die with it, so a restarted run
+    starts fresh ones under the same names and never finds stale duplicates (a detached
+    actor would outlive a crashed run, still holding its GPU and reading its streams)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", event.lower()).strip("-")
+    return f"babelcast-{slug or 'event'}"
+
+
 @dataclass
 class EventRuntime:
     cfg: EventConfig
@@ -478,6 +490,8 @@ class EventRuntime:
     _replacing: dict[str, int] = field(default_factory=dict)
     # actor id -> monotonic time the supervisor first failed to reach it
     _down_since: dict[str, float] = field(default_factory=dict)
+    # actor id -> monotonic time Ray's death signal came (supervise's watch failed)
+    _died_at: dict[str, float] = field(default_factory=dict)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -493,6 +507,7 @@ class EventRuntime:
             ray.init(
                 address=self.cfg.ray.address,
                 num_cpus=self.cfg.ray.num_cpus,
+                namespace=ray_namespace(self.cfg.event),
                 include_dashboard=False,
                 logging_level=logging.WARNING,
                 log_to_driver=True,
@@ -520,8 +535,11 @@ class EventRuntime:
             asr_gpus = 1 / e.vllm.engines_per_gpu
         for i in range(e.actors):
             actor_id = f"asr-{i}"
+            # SPREAD: on a cluster, ASR actors go to different nodes where they can, so
+            # losing a node takes the fewest streams (they move to the others).
             self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}",
-                                                 num_gpus=asr_gpus).remote(
+                                                 num_gpus=asr_gpus,
+                                                 scheduling_strategy="SPREAD").remote(
                 AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
                                max_streams=e.streams_per_actor,
                                session_policy=session_policy(self.cfg),
@@ -538,6 +556,7 @@ class EventRuntime:
         await self.start_translators()
         self.router = Router(budget=e.streams_per_actor, actors=list(self.asr))
         await self.place_all()
+        await self.warm_spares()
 
     async def start_translators(self) -> None:
         """The translator pool, when any stream has targets; each actor restarts under
@@ -572,6 +591,20 @@ class EventRuntime:
                 await self.ingest[ing].add_stream.remote(opts)
         self._export_placement()
         await self._report_status()
+
+    async def warm_spares(self, timeout_s: float = 600.0) -> None:
+        """Start the engine of every ASR actor that got no stream: a stream that moves
+        to it after a failure would otherwise wait for a model load (a minute or more
+        for vLLM)."""
+        assert self.router is not None
+        spares = [a for a in self.asr if self.router.load(a) == 0]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(self.asr[a].health.remote(), timeout_s) for a in spares),
+            return_exceptions=True)
+        for actor_id, result in zip(spares, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("spare ASR actor %s did not start: %s", actor_id,
+                            type(result).__name__)
 
     def _export_placement(self) -> None:
         assert self.router is not None
@@ -651,9 +684,10 @@ class EventRuntime:
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "asr", False)
-                self._down_since.setdefault(actor_id, now)
+                self._down_since.setdefault(actor_id, self._died_at.get(actor_id, now))
                 continue
             self._down_since.pop(actor_id, None)
+            self._died_at.pop(actor_id, None)
             self._actor_up(actor_id, "asr", True)
             for sid in sorted(have - want):
                 # moved away while this actor was out of reach: one owner per stream
@@ -722,8 +756,13 @@ class EventRuntime:
         async def watch(handle: Any) -> None:
             try:
                 await handle.watch.remote()
-            except Exception:
+            except Exception as exc:
                 failed_at[id(handle)] = time.monotonic()
+                actor_id = self._actor_of(handle)
+                # a pass that cannot reach it counts it down from now, not from then
+                self._died_at.setdefault(actor_id, failed_at[id(handle)])
+                log.warning("actor %s: its process is gone (%s)", actor_id,
+                            type(exc).__name__)
                 died.set()
 
         try:
