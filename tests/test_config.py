@@ -378,3 +378,15 @@ def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_event(cfg)
     assert "engines_per_gpu" in str(err.value)
+
+
+def test_a_cluster_needs_a_redis_every_node_reaches(tmp_path: Path) -> None:
+    from orchestrator.runtime import ray_namespace
+
+    path = write(tmp_path, "event: e\nray: {address: auto}\nstreams:\n  - {id: a, source: push}\n")
+    with pytest.raises(ConfigError) as err:
+        load_event(path)
+    assert f"{path}" in str(err.value) and "redis.url" in str(err.value)
+    # events share a cluster: each has its own namespace for its actors' names
+    assert ray_namespace("My Conference 2026!") == "babelcast-my-conference-2026"
+    assert ray_namespace("Hall A") != ray_namespace("Hall B")
