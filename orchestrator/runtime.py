@@ -653,11 +653,12 @@ class EventRuntime:
         for actor_id, handle in self.asr.items():
             want = {s for s, a in self.router.pins.items() if a == actor_id}
             now = time.monotonic()
+            # After Ray's death signal a restarted process answers at once (state never
+            # waits for the engine), so failover_after_s is enough to tell; without one,
+            # a slow answer is a busy actor (a saturated vLLM front end), not a dead one.
+            wait_s = min(timeout_s, failover_s) if actor_id in self._died_at else timeout_s
             try:
-                # A restarted process answers at once (state never waits for the engine);
-                # one that does not answer within failover_after_s counts as down.
-                state = await asyncio.wait_for(handle.state.remote(),
-                                               min(timeout_s, failover_s))
+                state = await asyncio.wait_for(handle.state.remote(), wait_s)
                 if state.get("pid") is not None and \
                         self._replacing.get(actor_id) == state["pid"]:
                     problems.append(f"{actor_id}: replacement pending")
