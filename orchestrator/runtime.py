@@ -781,8 +781,11 @@ class EventRuntime:
                 # A pass when an actor dies, every `every_s`, and when an actor that is
                 # down has been down for failover_after_s (its streams move then).
                 wait_s = every_s
-                if self._down_since:
-                    due = min(self._down_since.values()) + self.cfg.engine.failover_after_s
+                pinned = set(self.router.pins.values()) if self.router is not None else set()
+                # (an actor that is down and holds no stream any more needs no pass)
+                waiting = [t for a, t in self._down_since.items() if a in pinned]
+                if waiting:
+                    due = min(waiting) + self.cfg.engine.failover_after_s
                     wait_s = max(0.0, min(every_s, due - time.monotonic()))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(died.wait(), wait_s)
