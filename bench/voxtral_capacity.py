@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -281,20 +282,12 @@ class FrontEnd:
         return result
 
     async def stop(self) -> None:
-        with _suppress():
+        with contextlib.suppress(Exception):
             self.conn.send({"op": "stop"})
             await asyncio.to_thread(self.conn.poll, 60)
         await asyncio.to_thread(self.proc.join, 30)
         if self.proc.is_alive():
             self.proc.kill()
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 # ---- orchestration --------------------------------------------------------------------

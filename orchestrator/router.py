@@ -27,27 +27,31 @@ class Router:
     def place(self, stream_id: str) -> str:
         if stream_id in self.pins and self.pins[stream_id] in self.actors:
             return self.pins[stream_id]
-        free = [a for a in self.actors if self.load(a) < self.budget]
-        if not free:
+        actor = self._least_loaded(avoid=set())
+        if actor is None:
             raise PlacementError(
                 f"stream {stream_id!r} cannot be placed: {len(self.actors)} actor(s) x "
                 f"{self.budget} streams are full; raise engine.actors or "
                 "engine.streams_per_actor"
             )
-        # Least loaded first; ties go to the actor listed first (stable placement).
-        actor = min(free, key=lambda a: (self.load(a), self.actors.index(a)))
         self.pins[stream_id] = actor
         return actor
 
     def move(self, stream_id: str, avoid: set[str]) -> str | None:
         """Pin a stream to the least loaded actor outside `avoid` that has room (its
         actor is down); None when none has room (it stays where it is)."""
+        actor = self._least_loaded(avoid)
+        if actor is not None:
+            self.pins[stream_id] = actor
+        return actor
+
+    def _least_loaded(self, avoid: set[str]) -> str | None:
+        """The actor with room and the fewest streams, outside `avoid`; ties go to the
+        actor listed first (stable placement)."""
         free = [a for a in self.actors if a not in avoid and self.load(a) < self.budget]
         if not free:
             return None
-        actor = min(free, key=lambda a: (self.load(a), self.actors.index(a)))
-        self.pins[stream_id] = actor
-        return actor
+        return min(free, key=lambda a: (self.load(a), self.actors.index(a)))
 
     def release(self, stream_id: str) -> None:
         self.pins.pop(stream_id, None)

@@ -367,14 +367,13 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
 def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
     from orchestrator.runtime import engine_options
 
-    cfg = tmp_path / "v.yaml"
-    cfg.write_text("event: e\nengine:\n  kind: vllm\n  model: /m\n  actors: 4\n  vllm:\n"
-                   "    gpu_memory_utilization: 0.9\n    engines_per_gpu: 2\n"
-                   "streams:\n  - {id: a, source: push}\n")
+    cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  actors: 4\n"
+                "  vllm:\n    gpu_memory_utilization: 0.9\n    engines_per_gpu: 2\n"
+                "streams:\n  - {id: a, source: push}\n")
     opts = engine_options(load_event(cfg))
     assert opts.gpu_memory_utilization == 0.45  # type: ignore[union-attr]
-    cfg.write_text("event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
-                   "    engines_per_gpu: 0\nstreams:\n  - {id: a, source: push}\n")
+    cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
+                "    engines_per_gpu: 0\nstreams:\n  - {id: a, source: push}\n")
     with pytest.raises(ConfigError) as err:
         load_event(cfg)
     assert "engines_per_gpu" in str(err.value)
