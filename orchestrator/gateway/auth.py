@@ -24,6 +24,7 @@ log line or an error message.
 from __future__ import annotations
 
 import hmac
+import math
 import os
 import secrets
 import time
@@ -240,9 +241,11 @@ def mint_viewer_token(key: bytes | None, *, streams: Iterable[str] | None,
                            "without it)")
     if not 0 < ttl_s <= MAX_MINT_TTL_S:
         raise ValueError(f"ttl must be between 1 s and {MAX_MINT_TTL_S} s")
-    issued = int(time.time() if now is None else now)
+    at = time.time() if now is None else now
+    # JWT times are whole seconds: exp rounds up, so a token never lives less than its
+    # ttl (int(now) + ttl cut up to a second off: a 1 s token could be dead on arrival)
     claims: dict[str, Any] = {"iss": ISSUER, "sub": subject, "scope": "viewer",
-                              "iat": issued, "exp": issued + int(ttl_s)}
+                              "iat": int(at), "exp": math.ceil(at + ttl_s)}
     if streams is not None:
         claims["streams"] = sorted(set(streams))
     if langs is not None:
