@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -38,6 +39,7 @@ from translation.glossary import GlossaryTerm
 from translation.host import TranslationHost, TranslationHostOptions
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus
+from workers.engines import vad
 from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
@@ -543,7 +545,9 @@ class EventRuntime:
                 AsrHostOptions(actor_id=actor_id, redis_url=self.redis_url,
                                max_streams=e.streams_per_actor,
                                session_policy=session_policy(self.cfg),
-                               vad_process=e.kind == "vllm"),
+                               vad_process=e.kind == "vllm",
+                               vad_processes=math.ceil(e.streams_per_actor
+                                                       / vad.STREAMS_PER_PROCESS)),
                 engine_options(self.cfg),
             )
         for i in range(self.cfg.ingest.actors):

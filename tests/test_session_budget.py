@@ -145,3 +145,42 @@ async def test_voice_activity_in_a_helper_process_matches_inline_and_frees_the_l
         for v in (warm, remote):
             v.close()
         service.shutdown()
+
+
+async def test_voice_activity_spreads_streams_over_helper_processes_and_survives_a_kill(
+) -> None:
+    """A GPU actor with many streams gives Silero several processes: streams are spread
+    over them, each stream's flags equal the inline ones, and a killed process costs only
+    its own streams' state (the next call starts a new process)."""
+    import os
+    import signal
+
+    pcm = speech(6.0)
+    service = VadService(processes=2)
+    a, b = service.stream("a"), service.stream("b")
+    try:
+        await asyncio.gather(a.flags(pcm[: CHUNK * 2]), b.flags(pcm[: CHUNK * 2]))
+        pids = [await service.call(shard, os.getpid) for shard in (0, 1)]
+        assert len(set(pids)) == 2 and os.getpid() not in pids
+
+        async def flags(v: object, audio: bytes) -> list[bool]:
+            out: list[bool] = []
+            for i in range(0, len(audio), CHUNK * 2):
+                out += await v.flags(audio[i : i + CHUNK * 2])  # type: ignore[attr-defined]
+            return out
+
+        for v in (a, b):
+            v.reset()
+        got_a, got_b = await asyncio.gather(flags(a, pcm), flags(b, pcm))
+        want = await flags(InlineVad(), pcm)
+        assert got_a == want and got_b == want and sum(want) > 5
+
+        os.kill(pids[1], signal.SIGKILL)  # b's process
+        await asyncio.sleep(0.5)
+        assert await flags(b, pcm[: CHUNK * 20])  # a new process answers
+        assert service.restarts == 1
+        assert await service.call(0, os.getpid) == pids[0]  # a's process untouched
+    finally:
+        for v in (a, b):
+            v.close()
+        service.shutdown()

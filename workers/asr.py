@@ -84,6 +84,9 @@ class AsrHostOptions:
     vad_process: bool = False
     """Voice activity in a helper process (GPU actors: keeps Silero, which holds the
     GIL, off the event loop that also runs vLLM's front end)."""
+    vad_processes: int = 1
+    """Helper processes for that (`VadService`); each holds ~`vad.STREAMS_PER_PROCESS`
+    streams."""
 
 
 class _StreamRunner:
@@ -366,7 +369,8 @@ class AsrHost:
         self._reporter: asyncio.Task[None] | None = None
         self._engine_seen: dict[str, float] = {}
         self._backlog = BacklogGuard(options.max_backlog_s)
-        self.vad_service = VadService() if options.vad_process else None
+        self.vad_service = (VadService(options.vad_processes) if options.vad_process
+                            else None)
         self.engine_ok = True
         self.audio_s = 0.0
         """Audio seconds handed to all sessions since start (engine busy / this = RTF)."""
