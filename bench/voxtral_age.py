@@ -41,10 +41,12 @@ BLANK = 32
 
 
 async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
-                       tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int
-                       ) -> AsyncIterator[Any]:
+                       tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
+                       direct: bool = False) -> AsyncIterator[Any]:
     """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that its first
-    `bulk_steps` steps after the first prompt take `bulk` frames at once."""
+    `bulk_steps` steps after the first prompt take `bulk` frames at once. With `direct`,
+    the one-frame steps after them are built as the project's engine builds them
+    (`workers/engines/vllm_direct.py`); the bulk steps always go through the renderer."""
     from vllm.engine.protocol import StreamingInput
     from vllm.model_executor.models.voxtral_realtime import VoxtralRealtimeBuffer
     from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -71,6 +73,13 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                 end += step * (bulk if 1 <= k <= bulk_steps else 1)
 
     buffer = Aged(config, prompt_tokens)
+    build: Any = None
+    if direct:
+        from workers.engines.vllm_direct import DirectChunkBuilder
+
+        if getattr(backend, "_direct", None) is None:
+            backend._direct = DirectChunkBuilder.for_llm(llm)
+        build = backend._direct.build
 
     async def feed_audio() -> None:
         await buffer.append_audio(left_pad.audio_array)
@@ -89,8 +98,10 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     tasks = [asyncio.create_task(feed_audio()), asyncio.create_task(feed_tokens())]
     try:
         async for s in buffer.get_input_stream():
-            (engine_input,) = await llm.renderer.render_cmpl_async(
-                [parse_model_prompt(model_config, s.prompt)])
+            engine_input = build(s.prompt) if build is not None else None
+            if engine_input is None:
+                (engine_input,) = await llm.renderer.render_cmpl_async(
+                    [parse_model_prompt(model_config, s.prompt)])
             yield StreamingInput(prompt=engine_input)
     finally:
         for t in tasks:
@@ -99,7 +110,8 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
 
 class Session:
     def __init__(self, backend: Any, every: int | None, age_frames: int, bulk: int,
-                 audio: np.ndarray, offset: int) -> None:
+                 audio: np.ndarray, offset: int, direct: bool = False,
+                 prefeed: bool = True) -> None:
         self.q: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
         self.tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         self.outputs = 0
@@ -109,8 +121,9 @@ class Session:
         self.fed = 0
         steps = age_frames // bulk if age_frames else 0
         self.aged_outputs = 1 + steps  # the first prompt, then the bulk steps
+        self.direct = direct
         self.task = asyncio.create_task(self._run(backend, every, bulk, steps))
-        for _ in range(8 + steps * bulk):  # first prompt, bulk steps, look-ahead
+        for _ in range(8 + steps * bulk if prefeed else 0):  # first prompt, bulk, look-ahead
             self.push()
 
     def push(self) -> None:
@@ -123,7 +136,7 @@ class Session:
             while (a := await self.q.get()) is not None:
                 yield a
 
-        prompts = aged_prompts(backend, audio(), self.tokens, bulk, steps)
+        prompts = aged_prompts(backend, audio(), self.tokens, bulk, steps, self.direct)
         async for out in backend.generate(prompts, self.rid, every):
             if out.outputs:
                 self.outputs += 1

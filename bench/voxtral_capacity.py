@@ -27,6 +27,23 @@ configuration stops climbing at its first miss). Every configuration is warmed u
 first level before anything is measured. Also reported per phase: CPU per chunk (µs) of
 the front-end processes and of their engine-core processes, and GPU utilisation (p50).
 Random weights (`--load-format dummy`) give random text and a real cost per step.
+
+Like production:
+- `--production`: the project's sessions are fed as an ASR actor feeds them, through a
+  session manager per stream with Silero voice activity in helper processes
+  (`VadService`, one per 40 streams); their CPU is reported as `helpers_us_per_chunk`.
+- `--age-min M --aged-ladder N…`: after the knee, the project's configurations run at
+  those levels with sessions first aged M minutes (fed in bulk prompts of 750 frames with
+  blanks fed back, re-anchoring as configured: bench.voxtral_age), climbing until the
+  first miss (`aged_knee`). vLLM's stock path has no aged steady state (it cannot
+  re-anchor; its sessions end at max_model_len), so it is measured on new sessions only.
+- `--share-front-end`: the one-engine configurations run on front end 1 of the -x2 pair,
+  so two engines share the GPU's memory as `engines_per_gpu: 2` would.
+- `--max-model-len 131072`: the engine's production default (re-anchoring keeps sessions
+  below it).
+- `--profile-dir D --profile-level N`: py-spy (67 Hz, raw) on every front end taking part
+  and its children during each phase at level N; `profiles` gives each process's share and
+  the top leaf frames.
 """
 
 from __future__ import annotations
@@ -34,7 +51,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -52,6 +71,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from workers.engines import vad  # noqa: E402
 from workers.engines.base import SessionOptions  # noqa: E402
 from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
 from workers.events import AudioChunk  # noqa: E402
@@ -60,19 +80,25 @@ FRAME = 1280
 REALTIME_FPS = 12.0
 REALTIME_SHARE = 0.95
 WARM_S = 3.0
+AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
 CONFIGS = ("stock", "project", "project-direct", "project-x2", "project-direct-x2")
 
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
 
 
 def speech() -> np.ndarray:
-    import soundfile
+    """examples/audio/room-a.flac as 16 kHz mono PCM16 (PyAV, a dependency)."""
+    import av
 
-    data, _ = soundfile.read(str(ROOT / "examples" / "audio" / "room-a.flac"), dtype="int16")
-    return np.asarray(data, dtype=np.int16)
+    with av.open(str(ROOT / "examples" / "audio" / "room-a.flac")) as container:
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=16000)
+        parts = [f.to_ndarray().ravel() for frame in container.decode(audio=0)
+                 for f in resampler.resample(frame)]
+    return np.concatenate(parts).astype(np.int16)
 
 
-async def _gpu_util(stop: asyncio.Event, out: list[float]) -> None:
+async def _gpu_util(stop: asyncio.Event, out: list[float],
+                    stamps: list[float] | None = None) -> None:
     while not stop.is_set():
         try:
             res = await asyncio.to_thread(
@@ -80,30 +106,45 @@ async def _gpu_util(stop: asyncio.Event, out: list[float]) -> None:
                                  "--format=csv,noheader,nounits"],
                 capture_output=True, text=True, timeout=5)
             out.append(float(res.stdout.split()[0]))
+            if stamps is not None:
+                stamps.append(time.monotonic())
         except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
             pass
         await asyncio.sleep(1.0)
 
 
-def _children_cpu_s() -> float:
-    """CPU seconds of this process's children (the engine-core process)."""
+def _children_cpu_s() -> tuple[float, float]:
+    """CPU seconds of this process's children: (vLLM's engine core, the rest: the VAD
+    helper processes in production mode). Helpers that exit in a phase are not counted,
+    so the VAD pool lives for the whole phase."""
     import psutil
 
-    total = 0.0
+    core = other = 0.0
     for child in psutil.Process().children(recursive=True):
         try:
             t = child.cpu_times()
-            total += t.user + t.system
+            name = " ".join([child.name(), *child.cmdline()])
         except psutil.Error:
-            pass
-    return total
+            continue
+        if "EngineCore" in name:  # vLLM titles its engine-core process VLLM::EngineCore
+            core += t.user + t.system
+        else:
+            other += t.user + t.system
+    return core, other
 
 
 async def _phase(n: int, seconds: float, audio: np.ndarray,
-                 start: Callable[[int], Awaitable[Handle]], first: int = 0) -> dict[str, Any]:
+                 start: Callable[[int], Awaitable[Handle]], first: int = 0,
+                 before: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
-    `start(i)` returns (push a PCM16 frame, outputs so far, close)."""
+    `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
+    after every session started and before the clock starts (ageing)."""
     handles = [await start(first + i) for i in range(n)]
+    t_age = time.monotonic()
+    if before is not None:
+        await before()
+    aged_in_s = time.monotonic() - t_age
+    at_t0 = [h[1]() for h in handles]
     t0 = time.monotonic()
     frames = int(seconds / 0.08)
     marks: dict[str, Any] = {}
@@ -126,17 +167,66 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
     cpu = time.process_time() - marks["cpu"]
-    children = _children_cpu_s() - marks["children"]
+    children = [b - a for a, b in zip(marks["children"], _children_cpu_s(), strict=True)]
     final = [h[1]() for h in handles]
     for h in handles:
         await h[2]()
     chunks = max(1, round(n * elapsed / 0.08))
+    fps = [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)]
     return {
-        "fps": [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)],
-        "backlog_s": [seconds - f * 0.08 for f in final],
+        "fps": fps,
+        # audio fed in the phase minus audio decoded in it
+        "backlog_s": [seconds - (f - s0) * 0.08 for f, s0 in zip(final, at_t0, strict=True)],
         "front_end_us_per_chunk": cpu / chunks * 1e6,
-        "engine_core_us_per_chunk": children / chunks * 1e6,
+        "engine_core_us_per_chunk": children[0] / chunks * 1e6,
+        "helpers_us_per_chunk": children[1] / chunks * 1e6,
+        "aged_in_s": round(aged_in_s, 1),
     }
+
+
+# ---- the production feed ----------------------------------------------------------------
+def track_sessions(engine: Any) -> dict[str, list[Any]]:
+    """Bench-only: remember each stream's engine sessions (to count their outputs)."""
+    opened: dict[str, list[Any]] = {}
+    real_open = engine.open_session
+
+    def tracking_open(options: SessionOptions) -> Any:
+        session = real_open(options)
+        opened.setdefault(options.stream_id, []).append(session)
+        return session
+
+    engine.open_session = tracking_open
+    return opened
+
+
+async def open_production(engine: Any, vad_service: Any, opened: dict[str, list[Any]],
+                          i: int) -> Handle:
+    """One stream fed as an ASR actor feeds it (workers/asr.py `_open`): a session manager
+    over the engine, with voice activity from the VAD helper processes."""
+    from workers.sessions.manager import SessionManager, SessionPolicy
+
+    sid = f"prod{i}-{uuid.uuid4().hex[:6]}"
+    manager = SessionManager(engine, SessionOptions(sid, "auto"), SessionPolicy(),
+                             vad=vad_service.stream(sid))
+    manager.start()
+    pos = [0]
+
+    async def drain() -> None:
+        async for _ in manager:
+            pass
+
+    d = asyncio.create_task(drain())
+
+    def push(frame: np.ndarray) -> None:
+        manager.push_nowait(AudioChunk(sid, pos[0], frame.tobytes(), time.time()))
+        pos[0] += FRAME
+
+    async def close() -> None:
+        await manager.aclose()
+        d.cancel()
+        opened.pop(sid, None)
+
+    return push, (lambda: sum(x.outputs for x in opened.get(sid, ()))), close
 
 
 # ---- one front end (a process of its own) -------------------------------------------
@@ -230,22 +320,69 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
         return push, (lambda: count[0]), close
 
+    opened = track_sessions(engine)
+    vad_box: list[Any] = []
+
+    async def production(i: int) -> Handle:
+        return await open_production(engine, vad_box[0], opened, i)
+
+    aged_sessions: list[Any] = []
+
+    async def aged(i: int, direct: bool, age_frames: int) -> Handle:
+        from bench.voxtral_age import Session as AgedSession
+
+        every = engine.options.reanchor_every if engine.reanchoring else None
+        s = AgedSession(backend, every, age_frames, AGE_BULK, audio,
+                        (i * 7919 * FRAME) % audio.size, direct=direct)
+        aged_sessions.append(s)
+
+        def push(frame: np.ndarray) -> None:
+            s.q.put_nowait(frame.astype(np.float32) / 32768.0)
+
+        async def close() -> None:
+            await s.close(backend)
+
+        return push, (lambda: s.outputs), close
+
+    async def all_aged() -> None:
+        await asyncio.gather(*(s.aged.wait() for s in aged_sessions))
+
     while True:
         cmd = await asyncio.to_thread(conn.recv)
         if cmd["op"] == "stop":
             break
         path, n, seconds, first = cmd["path"], cmd["n"], cmd["seconds"], cmd["first"]
+        feed, age_frames = cmd.get("feed", "plain"), int(cmd.get("age_frames", 0))
+        direct = path == "direct"
+        before: Callable[[], Awaitable[None]] | None = None
         if path == "stock":
             starter: Callable[[int], Awaitable[Handle]] = theirs
-        else:
-            direct = path == "direct"
+        elif feed == "production":
+            engine.direct_input = direct  # the manager's sessions take the engine's choice
+            vad_box[:] = [vad.VadService(math.ceil(n / vad.STREAMS_PER_PROCESS))]
 
+            async def starter(i: int) -> Handle:
+                return await production(i)
+        elif feed == "aged":
+            aged_sessions.clear()
+            before = all_aged
+
+            async def starter(i: int, direct: bool = direct,
+                              age_frames: int = age_frames) -> Handle:
+                return await aged(i, direct, age_frames)
+        else:
             async def starter(i: int, direct: bool = direct) -> Handle:
                 return await ours(i, direct)
         try:
-            conn.send(await _phase(n, seconds, audio, starter, first))
+            result = await _phase(n, seconds, audio, starter, first, before)
+            result["feed"] = "plain" if path == "stock" else feed
+            conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        finally:
+            for service in vad_box:
+                service.shutdown()
+            vad_box.clear()
     await engine.aclose()
     conn.send({"stopped": True})
 
@@ -273,9 +410,10 @@ class FrontEnd:
             raise RuntimeError(f"front end {self.index}: {self.info['error']}")
         return self.info
 
-    async def phase(self, path: str, n: int, seconds: float, first: int) -> dict[str, Any]:
+    async def phase(self, path: str, n: int, seconds: float, first: int,
+                    feed: str = "plain", age_frames: int = 0) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
-                        "first": first})
+                        "first": first, "feed": feed, "age_frames": age_frames})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -290,26 +428,96 @@ class FrontEnd:
             self.proc.kill()
 
 
+# ---- profiles -------------------------------------------------------------------------
+def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+    """py-spy on a front end and its children (engine core, VAD helpers), raw format."""
+    import shutil
+
+    exe = shutil.which("py-spy") or next(
+        (str(p) for p in (Path(sys.prefix) / "bin" / "py-spy", Path("/tmp/site/bin/py-spy"))
+         if p.exists()), None)
+    if exe is None:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--subprocesses", "--rate", "67", "--nonblocking",
+         "--duration", str(max(1, int(seconds))), "--format", "raw", "--output", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
+    """Per profile: each process's share of the samples, and the leaf frames
+    (function (file:line)) with the largest share, from py-spy's raw (collapsed) output."""
+    out: dict[str, Any] = {}
+    for path in sorted(Path(folder).glob("*.txt")):
+        procs: dict[str, int] = {}
+        leaves: dict[str, int] = {}
+        total = 0
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            n = int(count)
+            frames = stack.split(";")
+            total += n
+            proc = frames[0] if frames[0].startswith("process ") else "?"
+            proc = proc.split(":")[0] + (" " + frames[0].split('"')[1][:60]
+                                         if '"' in frames[0] else "")
+            procs[proc] = procs.get(proc, 0) + n
+            leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+        if total:
+            out[path.stem] = {
+                "samples": total,
+                "processes": {p: round(c / total, 3) for p, c in
+                              sorted(procs.items(), key=lambda x: -x[1])[:6]},
+                "top_leaves": [[f, round(c / total, 3)] for f, c in
+                               sorted(leaves.items(), key=lambda x: -x[1])[:top]],
+            }
+    return out
+
+
 # ---- orchestration --------------------------------------------------------------------
-def plan(config: str) -> list[tuple[int, str]]:
-    """(front end, path) pairs that run a configuration; sessions split evenly."""
+def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
+    """(front end, path) pairs that run a configuration; sessions split evenly. With
+    `shared`, one-engine configurations run on front end 1 (no third engine)."""
     path = "direct" if "direct" in config else ("stock" if config == "stock" else "project")
-    return [(1, path), (2, path)] if config.endswith("-x2") else [(0, path)]
+    return [(1, path), (2, path)] if config.endswith("-x2") else [(1 if shared else 0, path)]
 
 
-async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float
-                     ) -> dict[str, Any]:
-    parts = plan(config)
+def feed_of(config: str, production: bool, age_frames: int) -> str:
+    """How a configuration's sessions are fed: vLLM's stock path is always fed as its
+    server feeds it (new sessions: it cannot re-anchor, so it has no aged steady state)."""
+    if config == "stock":
+        return "plain"
+    return "aged" if age_frames else ("production" if production else "plain")
+
+
+async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
+                     *, shared: bool = False, production: bool = False,
+                     age_frames: int = 0, profile_dir: str | None = None) -> dict[str, Any]:
+    parts = plan(config, shared)
+    feed = feed_of(config, production, age_frames)
+    spies = [] if profile_dir is None or age_frames else [
+        _py_spy(fronts[f].proc.pid or 0, Path(profile_dir) / f"{config}-{n}-fe{f}.txt",
+                seconds - WARM_S - 1.0) for f, _ in parts]
     stop = asyncio.Event()
     util: list[float] = []
-    util_task = asyncio.create_task(_gpu_util(stop, util))
+    stamps: list[float] = []
+    t_start = time.monotonic()
+    util_task = asyncio.create_task(_gpu_util(stop, util, stamps))
     share = [n // len(parts) + (1 if i < n % len(parts) else 0) for i in range(len(parts))]
     firsts = [sum(share[:i]) for i in range(len(parts))]
-    results = await asyncio.gather(*(fronts[f].phase(p, k, seconds, first)
+    results = await asyncio.gather(*(fronts[f].phase(p, k, seconds, first, feed, age_frames)
                                      for (f, p), k, first in zip(parts, share, firsts,
                                                                  strict=True)))
     stop.set()
     await util_task
+    for spy in spies:
+        if spy is not None:
+            await asyncio.to_thread(spy.wait, 60)
+    # GPU use of the measured window only (not ageing, not warm-up)
+    measured_from = t_start + max(r.get("aged_in_s", 0.0) for r in results) + WARM_S
+    util = [u for u, t in zip(util, stamps, strict=True) if t >= measured_from] or util
     fps = [x for r in results for x in r["fps"]]
     backlog = sorted(x for r in results for x in r["backlog_s"])
     realtime = sum(1 for x in fps if x >= REALTIME_FPS)
@@ -323,6 +531,10 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
                                             zip(results, share, strict=True)) / n, 1),
         "engine_core_us_per_chunk": round(sum(r["engine_core_us_per_chunk"] * k for r, k in
                                               zip(results, share, strict=True)) / n, 1),
+        "helpers_us_per_chunk": round(sum(r["helpers_us_per_chunk"] * k for r, k in
+                                          zip(results, share, strict=True)) / n, 1),
+        "aged_in_s": max(r.get("aged_in_s", 0.0) for r in results),
+        "feed": feed,
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
     }
 
@@ -352,9 +564,14 @@ def rotated(configs: list[str], k: int) -> list[str]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     configs = list(args.configs)
     ladder = sorted(args.ladder) if args.find_knee else [args.streams]
-    engines = 3 if any(c.endswith("-x2") for c in configs) else 1
-    need_main = any(not c.endswith("-x2") for c in configs)
-    top = max(ladder)
+    x2 = any(c.endswith("-x2") for c in configs)
+    shared = bool(args.share_front_end and x2)
+    need_main = any(not c.endswith("-x2") for c in configs) and not shared
+    engines = (1 if need_main else 0) + (2 if x2 else 0)
+    top = max([*ladder, *(args.aged_ladder or [])])
+    age_frames = (int(args.age_min[0] * 60 / 0.08) // AGE_BULK * AGE_BULK
+                  if args.age_min else 0)
+    run = functools.partial(run_config, shared=shared, production=args.production)
 
     def opts(streams: int) -> VllmEngineOptions:
         return VllmEngineOptions(
@@ -362,12 +579,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             load_format=args.load_format,
             gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3))
 
-    wanted = ([0] if need_main else []) + ([1, 2] if engines == 3 else [])
+    wanted = ([0] if need_main else []) + ([1, 2] if x2 else [])
     fronts: dict[int, FrontEnd] = {}
     started: dict[int, Any] = {}
     try:
         for f in wanted:  # one at a time: vLLM profiles free memory while it starts
-            fronts[f] = FrontEnd(f, opts(top if f == 0 else (top + 1) // 2))
+            fronts[f] = FrontEnd(f, opts(top if f == 0 or shared else (top + 1) // 2))
             started[f] = await fronts[f].ready()
         direct_ok = all(started[f].get("direct_check", {}).get("equal") for f in started)
         if not direct_ok:
@@ -376,7 +593,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         else:
             dropped = []
         for c in configs:  # warm every configuration at the first level
-            await run_config(fronts, c, ladder[0], min(8.0, args.seconds))
+            await run(fronts, c, ladder[0], min(8.0, args.seconds))
         levels: dict[int, dict[str, list[dict[str, Any]]]] = {}
         alive = list(configs)
         k = 0
@@ -384,11 +601,25 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             levels[n] = {c: [] for c in alive}
             for _ in range(args.rounds):
                 for c in rotated(alive, k):
-                    levels[n][c].append(await run_config(fronts, c, n, args.seconds))
+                    profile = args.profile_dir if n == args.profile_level else None
+                    levels[n][c].append(await run(fronts, c, n, args.seconds,
+                                                  profile_dir=profile))
                 k += 1
             alive = [c for c in alive if statistics.median(
                 r["realtime_share"] for r in levels[n][c]) >= REALTIME_SHARE]
             if not alive:
+                break
+        # Sessions aged `--age-min` (bulk-fed, re-anchoring as in production), once per
+        # level, for the project's configurations, climbing until the first miss.
+        aged: dict[int, dict[str, dict[str, Any]]] = {}
+        aged_alive = [c for c in configs if c != "stock"] if age_frames else []
+        for n in sorted(args.aged_ladder or []):
+            aged[n] = {}
+            for c in aged_alive:
+                aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames)
+            aged_alive = [c for c in aged_alive
+                          if aged[n][c]["realtime_share"] >= REALTIME_SHARE]
+            if not aged_alive:
                 break
     finally:
         for fe in fronts.values():
@@ -397,23 +628,49 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     summary = {n: {c: _median_row(rows) for c, rows in by.items()} for n, by in levels.items()}
     base = found.get("stock")
     return {
+        "host": host_fingerprint(),
         "vllm_version": next(iter(started.values())).get("vllm_version"),
         "front_ends": {f: {k2: v for k2, v in s.items() if k2 != "ready"}
                        for f, s in started.items()},
         "configs": configs, "dropped_configs": dropped, "ladder": ladder,
         "seconds": args.seconds, "rounds": args.rounds,
         "gpu_memory_utilization_per_engine": round(args.gpu_memory_utilization / engines, 3),
+        "feed": "production" if args.production else "plain",
+        "max_model_len": args.max_model_len,
+        "shared_front_end": shared,
         "knee": found,
         "knee_ratio_vs_stock": {c: (round(v / base, 3) if v and base else None)
                                 for c, v in found.items() if c != "stock"},
         "by_level": summary,
         "rounds_raw": levels,
+        "age_min": args.age_min[0] if age_frames else None,
+        "aged_knee": knees({n: {c: [r] for c, r in by.items()} for n, by in aged.items()},
+                           [c for c in configs if c != "stock"]) if aged else None,
+        "aged_by_level": aged,
+        "profiles": summarize_profiles(args.profile_dir) if args.profile_dir else None,
     }
+
+
+def host_fingerprint() -> dict[str, Any]:
+    """What the knee depends on besides the GPU: the host's CPU (hosts differ a lot)."""
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    gpu = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+    return {"cpu": model, "cores": os.cpu_count(), "gpu": gpu}
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("realtime_share", "frames_per_s_p50", "frames_per_s_min", "backlog_p99_s",
-            "front_end_us_per_chunk", "engine_core_us_per_chunk", "gpu_util_p50")
+            "front_end_us_per_chunk", "engine_core_us_per_chunk", "helpers_us_per_chunk",
+            "gpu_util_p50")
     out: dict[str, Any] = {}
     for key in keys:
         values = [r[key] for r in rows if r.get(key) is not None]
@@ -439,11 +696,23 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds per level, order rotated; the median is reported")
     ap.add_argument("--age-min", type=float, nargs="+", default=None,
-                    help="instead: cost per chunk of sessions aged this many minutes, with "
-                         "and without re-anchoring (bench.voxtral_age)")
+                    help="with --aged-ladder: after the knee, the project's configurations "
+                         "at those levels with sessions aged this many minutes (first "
+                         "value); alone: cost per chunk of sessions aged this many minutes, "
+                         "with and without re-anchoring (bench.voxtral_age)")
+    ap.add_argument("--aged-ladder", type=int, nargs="+", default=None)
+    ap.add_argument("--production", action="store_true",
+                    help="feed the project's sessions as an ASR actor does: a session "
+                         "manager per stream with voice activity in helper processes")
+    ap.add_argument("--share-front-end", action="store_true",
+                    help="one-engine configurations run on front end 1 of the -x2 pair "
+                         "(no third engine: the pair keeps the GPU's memory)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="py-spy the front ends (and their children) at --profile-level")
+    ap.add_argument("--profile-level", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    if args.age_min is not None:
+    if args.age_min is not None and not args.aged_ladder:
         from bench import voxtral_age
 
         aged = argparse.Namespace(

@@ -8,6 +8,7 @@
 #   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
+#   (EXTRA="--production --share-front-end …" adds flags)
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,7 +45,7 @@ bench)
 capacity)
   timeout ${LIMIT:-575} python3 -m bench.voxtral_capacity --model /tmp/voxtral --find-knee \
     --ladder ${LADDER:-64 96 128 160} --configs ${CONFIGS:-stock project project-x2} \
-    --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
+    --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" ${EXTRA:-} --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
   head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
   ;;
 esac

@@ -4,11 +4,25 @@ rounds; rounds rotate the order so no configuration always runs first."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.voxtral_capacity import knees, plan, rotated
+from bench.voxtral_capacity import (
+    _phase,
+    feed_of,
+    knees,
+    open_production,
+    plan,
+    rotated,
+    speech,
+    summarize_profiles,
+    track_sessions,
+)
+from tests.fake_vllm import FakeVllmBackend
+from workers.engines import vad
+from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
 
 pytestmark = pytest.mark.unit
 
@@ -45,3 +59,52 @@ def test_two_front_end_configurations_split_over_front_ends_one_and_two() -> Non
     assert plan("project-direct") == [(0, "direct")]
     assert plan("project-x2") == [(1, "project"), (2, "project")]
     assert plan("project-direct-x2") == [(1, "direct"), (2, "direct")]
+
+
+def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
+    assert plan("stock", shared=True) == [(1, "stock")]
+    assert plan("project-direct", shared=True) == [(1, "direct")]
+    assert plan("project-direct-x2", shared=True) == [(1, "direct"), (2, "direct")]
+
+
+def test_the_stock_path_is_always_fed_as_vllm_serves_it() -> None:
+    assert feed_of("stock", production=True, age_frames=750) == "plain"
+    assert feed_of("project-direct", production=True, age_frames=0) == "production"
+    assert feed_of("project-direct-x2", production=True, age_frames=750) == "aged"
+    assert feed_of("project", production=False, age_frames=0) == "plain"
+
+
+def test_profiles_are_summed_per_process_and_leaf(tmp_path: Path) -> None:
+    (tmp_path / "project-direct-x2-96-fe1.txt").write_text(
+        'process 11:"python -m bench";main (a.py:1);render (b.py:2) 30\n'
+        'process 11:"python -m bench";main (a.py:1);send (c.py:3) 10\n'
+        'process 12:"VLLM::EngineCore";step (d.py:4);render (b.py:2) 60\n')
+    got = summarize_profiles(str(tmp_path))["project-direct-x2-96-fe1"]
+    assert got["samples"] == 100
+    assert got["processes"] == {'process 12 VLLM::EngineCore': 0.6,
+                                'process 11 python -m bench': 0.4}
+    assert got["top_leaves"][0] == ["render (b.py:2)", 0.9]
+
+
+@pytest.mark.integration
+async def test_the_production_feed_runs_real_speech_through_the_manager_and_vad() -> None:
+    """The production feed on the `vllm` engine's real session code over the FAKE vLLM
+    backend (vLLM cannot run here): every stream is decoded through a session manager,
+    its voice activity comes from the helper processes, and the phase counts its frames."""
+    engine = VllmVoxtralEngine(
+        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off"),
+        backend=FakeVllmBackend(text_every=3), geometry=DEFAULT_GEOMETRY)
+    await engine.start()
+    opened = track_sessions(engine)
+    service = vad.VadService(2)
+    try:
+        result = await _phase(
+            3, 4.5, speech(), lambda i: open_production(engine, service, opened, i))
+    finally:
+        service.shutdown()
+        await engine.aclose()
+    assert len(result["fps"]) == 3
+    # fed at 12.5 frames/s; the fake decodes every frame it is given
+    assert all(11.0 <= f <= 13.5 for f in result["fps"]), result["fps"]
+    assert max(result["backlog_s"]) < 1.0
+    assert result["helpers_us_per_chunk"] > 0  # Silero ran in the helper processes
