@@ -345,7 +345,14 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         return push, (lambda: s.outputs), close
 
     async def all_aged() -> None:
-        await asyncio.gather(*(s.aged.wait() for s in aged_sessions))
+        async def one(s: Any) -> None:
+            waiter = asyncio.create_task(s.aged.wait())
+            await asyncio.wait({waiter, s.task}, return_when=asyncio.FIRST_COMPLETED)
+            if not s.aged.is_set():
+                waiter.cancel()
+                raise RuntimeError(f"an ageing session ended: {s.task.exception()!r}")
+
+        await asyncio.wait_for(asyncio.gather(*(one(s) for s in aged_sessions)), 420)
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)
