@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import math
 import multiprocessing as mp
@@ -81,6 +80,7 @@ REALTIME_FPS = 12.0
 REALTIME_SHARE = 0.95
 WARM_S = 3.0
 AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
+AGE_TIMEOUT_S = 150.0  # ageing that takes longer is stuck (e.g. waiting for KV cache)
 CONFIGS = ("stock", "project", "project-direct", "project-x2", "project-direct-x2")
 
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
@@ -142,7 +142,11 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     handles = [await start(first + i) for i in range(n)]
     t_age = time.monotonic()
     if before is not None:
-        await before()
+        try:
+            await before()
+        except BaseException:
+            await asyncio.gather(*(h[2]() for h in handles), return_exceptions=True)
+            raise
     aged_in_s = time.monotonic() - t_age
     at_t0 = [h[1]() for h in handles]
     t0 = time.monotonic()
@@ -169,8 +173,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     cpu = time.process_time() - marks["cpu"]
     children = [b - a for a, b in zip(marks["children"], _children_cpu_s(), strict=True)]
     final = [h[1]() for h in handles]
-    for h in handles:
-        await h[2]()
+    await asyncio.gather(*(h[2]() for h in handles))
     chunks = max(1, round(n * elapsed / 0.08))
     fps = [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)]
     return {
@@ -352,7 +355,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                 waiter.cancel()
                 raise RuntimeError(f"an ageing session ended: {s.task.exception()!r}")
 
-        await asyncio.wait_for(asyncio.gather(*(one(s) for s in aged_sessions)), 420)
+        await asyncio.wait_for(asyncio.gather(*(one(s) for s in aged_sessions)), AGE_TIMEOUT_S)
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)
@@ -441,8 +444,8 @@ def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | No
     import shutil
 
     exe = shutil.which("py-spy") or next(
-        (str(p) for p in (Path(sys.prefix) / "bin" / "py-spy", Path("/tmp/site/bin/py-spy"))
-         if p.exists()), None)
+        (str(p) for p in (Path(sys.prefix) / "bin" / "py-spy", Path("/tmp/site/bin/py-spy"),
+                          *Path("/tmp/site").glob("py_spy*/**/py-spy")) if p.exists()), None)
     if exe is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -578,7 +581,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     top = max([*ladder, *(args.aged_ladder or [])])
     age_frames = (int(args.age_min[0] * 60 / 0.08) // AGE_BULK * AGE_BULK
                   if args.age_min else 0)
-    run = functools.partial(run_config, shared=shared, production=args.production)
+    partial_path = Path(args.partial) if args.partial else None
+    progress: list[dict[str, Any]] = []
+
+    async def run(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
+                  **kw: Any) -> dict[str, Any]:
+        """run_config, with a line on stderr and the rows so far in --partial."""
+        row = await run_config(fronts, config, n, seconds, shared=shared,
+                               production=args.production, **kw)
+        progress.append(row)
+        print(json.dumps({k: row.get(k) for k in ("config", "streams", "feed",
+                          "realtime_share", "frames_per_s_p50", "front_end_us_per_chunk",
+                          "engine_core_us_per_chunk", "helpers_us_per_chunk",
+                          "gpu_util_p50", "aged_in_s")}), file=sys.stderr, flush=True)
+        if partial_path is not None:
+            partial_path.write_text(json.dumps(progress))
+        return row
 
     def opts(streams: int) -> VllmEngineOptions:
         return VllmEngineOptions(
@@ -623,7 +641,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for n in sorted(args.aged_ladder or []):
             aged[n] = {}
             for c in aged_alive:
-                aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames)
+                try:
+                    aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames)
+                except Exception as exc:  # e.g. ageing stuck: no KV cache for the sessions
+                    aged[n][c] = {"realtime_share": 0.0, "error": f"{exc}"[:300]}
+                    print(json.dumps({"aged": n, "config": c, "error": f"{exc}"[:300]}),
+                          file=sys.stderr, flush=True)
             aged_alive = [c for c in aged_alive
                           if aged[n][c]["realtime_share"] >= REALTIME_SHARE]
             if not aged_alive:
@@ -717,6 +740,8 @@ def main() -> int:
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy the front ends (and their children) at --profile-level")
     ap.add_argument("--profile-level", type=int, default=None)
+    ap.add_argument("--partial", default=None,
+                    help="write the rows measured so far to this file after every phase")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.age_min is not None and not args.aged_ladder:
