@@ -462,6 +462,12 @@ class TranslatorActor:
             await self.host.stop()
 
 
+INGEST_RETRY_S = 1.0
+"""How soon the supervisor tries again an ingest actor it could not reach: a pass that
+meets it mid-restart fails, and nothing else would wake the supervisor before its poll
+(5 s; in tests 120 s). Ingest has no failover wait: the sooner, the less audio lost."""
+
+
 def ray_namespace(event: str) -> str:
     """The Ray namespace of an event's actors. Actor names (`babelcast-asr-0`, ...) are
     unique within it, so two events can share one cluster. The actors are owned by the
@@ -501,6 +507,8 @@ class EventRuntime:
     _lag_moved_at: dict[str, float] = field(default_factory=dict)
     _lag_left_at: dict[str, float] = field(default_factory=dict)
     _lagging_actors: set[str] = field(default_factory=set)
+    # ingest actors the last pass could not reach (their streams are not re-added yet)
+    _ingest_unreached: set[str] = field(default_factory=set)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -725,15 +733,19 @@ class EventRuntime:
             want = {s for s, a in self._ingest_pins.items() if a == actor_id}
             try:
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+                self._actor_up(actor_id, "ingest", True)
+                for sid in sorted(want - have):
+                    metrics.STREAM_READDS.labels(actor=actor_id).inc()
+                    await asyncio.wait_for(handle.add_stream.remote(
+                        stream_options(streams[sid], self.cfg.translation)), timeout_s)
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
+                # Caught while Ray restarts it (ActorUnavailableError): its new process
+                # sends no second death signal, so supervise() tries again soon.
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "ingest", False)
+                self._ingest_unreached.add(actor_id)
                 continue
-            self._actor_up(actor_id, "ingest", True)
-            for sid in sorted(want - have):
-                metrics.STREAM_READDS.labels(actor=actor_id).inc()
-                await handle.add_stream.remote(
-                    stream_options(streams[sid], self.cfg.translation))
+            self._ingest_unreached.discard(actor_id)
         return problems
 
     async def _move_streams(self, actor_id: str, streams: dict[str, StreamConfig]
@@ -889,6 +901,8 @@ class EventRuntime:
                 if self._behind_since:  # and when a stream has been behind long enough
                     due = min(self._behind_since.values()) + self.cfg.engine.move_lag_sustain_s
                     wait_s = max(0.0, min(wait_s, due - time.monotonic()))
+                if self._ingest_unreached:  # restarting: its streams wait for a pass
+                    wait_s = min(wait_s, INGEST_RETRY_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(died.wait(), wait_s)
                 died.clear()
