@@ -9,6 +9,7 @@ resume, and seq and segment ids go on without a gap or a double."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -16,14 +17,17 @@ import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jiwer
 import pytest
 import ray
+from ray.exceptions import ActorUnavailableError
 
 from orchestrator import metrics
 from orchestrator.config import parse_event
-from orchestrator.runtime import EventRuntime
+from orchestrator.router import Router
+from orchestrator.runtime import INGEST_RETRY_S, EventRuntime
 from tests.speech import AUDIO, decode_pcm16, normalize
 from tests.waiting import eventually
 from workers.bus import RedisBus, audio_key
@@ -234,3 +238,67 @@ async def test_the_ingest_cursor_resumes_within_a_run_and_not_in_the_next(
     assert (await bus.get_status("hall")).get("source_resumes") == "1"
     # The next run of the event plays it from its start.
     assert await ingest(IngestHostOptions(actor_id="ingest-t", redis_url=redis_url)) == samples
+
+
+class _Call:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class RestartingIngestHandle:
+    """An ingest actor's handle as the supervisor meets it while Ray restarts the actor:
+    its pending watch fails (the death signal), the next call fails as unavailable, then
+    the new process answers with no streams."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.calls = 0
+        self.watches = 0
+        self.watch = _Call(self._watch)
+        self.streams = _Call(self._streams)
+        self.add_stream = _Call(self._add)
+
+    async def _watch(self) -> None:
+        self.watches += 1
+        if self.watches == 1:
+            await asyncio.sleep(0.1)
+            raise ActorUnavailableError("restarting", None)
+        await asyncio.Event().wait()
+
+    async def _streams(self) -> list[str]:
+        self.calls += 1
+        if self.calls == 1:
+            raise ActorUnavailableError("restarting", None)
+        return list(self.added)
+
+    async def _add(self, opts: StreamOptions) -> None:
+        self.added.append(opts.stream_id)
+
+
+@pytest.mark.unit
+async def test_an_ingest_actor_met_mid_restart_gets_its_streams_back_within_a_second(
+        ) -> None:
+    cfg = parse_event(EVENT.format(url="redis://127.0.0.1:1", path=AUDIO / "room-b.flac"))
+    runtime = EventRuntime(cfg, redis_url="redis://127.0.0.1:1")
+    handle = RestartingIngestHandle()
+    runtime.ingest = {"ingest-0": handle}
+    runtime.router = Router(budget=1, actors=[])
+    runtime._ingest_pins = {"hall": "ingest-0"}
+    # Only the death signal wakes it (poll at 120 s): the retry must not wait for the poll.
+    supervisor = asyncio.create_task(runtime.supervise(every_s=120, min_gap_s=0.1))
+    try:
+        t0 = time.monotonic()
+
+        async def readded() -> bool:
+            return handle.added == ["hall"]
+
+        await eventually(readded, 5, "the stream added again")
+        assert time.monotonic() - t0 < 0.1 + 0.1 + INGEST_RETRY_S + 1.0
+        assert handle.calls == 2
+    finally:
+        supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervisor
