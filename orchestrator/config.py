@@ -246,6 +246,18 @@ class EngineConfig(_Strict):
         default=2.0, ge=0.5, le=600,
         description="an ASR actor out of reach this long (dead for good: at once) has its "
                     "streams moved to other actors with room; they resume from their cursor")
+    move_after_lag_s: float | None = Field(
+        default=10.0, gt=0, le=600,
+        description="a stream whose captions come more than this many seconds after the "
+                    "speech, for move_lag_sustain_s, moves to another actor with room that is "
+                    "not behind itself; it resumes from its cursor (null: never moves for lag)")
+    move_lag_sustain_s: float = Field(
+        default=10.0, ge=0, le=3600,
+        description="how long a stream must stay behind move_after_lag_s before it moves")
+    move_cooldown_s: float = Field(
+        default=120.0, ge=0, le=86400,
+        description="after a move for lag, the stream does not move for lag again, and the "
+                    "actor it left takes no stream moved for lag, for this many seconds")
     streams_per_actor: int = Field(
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "

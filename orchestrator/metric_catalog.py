@@ -213,8 +213,9 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Streams the supervisor added again to an actor that had lost them (it restarted)",
         "actor"),
     _gw("babelcast_stream_moves_total", "counter",
-        "Streams the supervisor moved from an actor out of reach for engine.failover_after_s "
-        "(or dead for good) to another actor with room", "actor"),
+        "Streams the supervisor moved to this actor from one out of reach for "
+        "engine.failover_after_s (or dead for good), or from one whose captions stayed "
+        "behind real time (engine.move_after_lag_s)", "actor"),
     _gw("babelcast_engine_replacements_total", "counter",
         "ASR actors the supervisor replaced because their engine was dead", "actor"),
     # ---- outputs (orchestrator/outputs) ----

@@ -463,6 +463,12 @@ class TranslatorActor:
             await self.host.stop()
 
 
+INGEST_RETRY_S = 1.0
+"""How soon the supervisor tries again an ingest actor it could not reach: a pass that
+meets it mid-restart fails, and nothing else would wake the supervisor before its poll
+(5 s; in tests 120 s). Ingest has no failover wait: the sooner, the less audio lost."""
+
+
 def ray_namespace(event: str) -> str:
     """The Ray namespace of an event's actors. Actor names (`babelcast-asr-0`, ...) are
     unique within it, so two events can share one cluster. The actors are owned by the
@@ -494,6 +500,16 @@ class EventRuntime:
     _down_since: dict[str, float] = field(default_factory=dict)
     # actor id -> monotonic time Ray's death signal came (supervise's watch failed)
     _died_at: dict[str, float] = field(default_factory=dict)
+    # Moves for lag (engine.move_after_lag_s): stream -> monotonic time its captions were
+    # first seen behind, in the current run of passes that saw it behind; stream -> when
+    # it last moved for lag; actor -> when a stream last left it for lag; and the actors
+    # seen with a stream at least half the threshold behind at their last answer.
+    _behind_since: dict[str, float] = field(default_factory=dict)
+    _lag_moved_at: dict[str, float] = field(default_factory=dict)
+    _lag_left_at: dict[str, float] = field(default_factory=dict)
+    _lagging_actors: set[str] = field(default_factory=set)
+    # ingest actors the last pass could not reach (their streams are not re-added yet)
+    _ingest_unreached: set[str] = field(default_factory=set)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -694,6 +710,7 @@ class EventRuntime:
             self._down_since.pop(actor_id, None)
             self._died_at.pop(actor_id, None)
             self._actor_up(actor_id, "asr", True)
+            self._observe_lag(actor_id, state.get("streams") or {}, now)
             for sid in sorted(have - want):
                 # moved away while this actor was out of reach: one owner per stream
                 log.warning("stream %s moved off %s; removing it there", sid, actor_id)
@@ -706,6 +723,7 @@ class EventRuntime:
         for actor_id, since in list(self._down_since.items()):
             if time.monotonic() - since >= failover_s:
                 problems.extend(await self._move_streams(actor_id, streams))
+        problems.extend(await self._move_lagging(streams))
         for actor_id, handle in self.translators.items():
             try:  # a restarted translator starts consuming again
                 await asyncio.wait_for(handle.start.remote(), timeout_s)
@@ -718,15 +736,19 @@ class EventRuntime:
             want = {s for s, a in self._ingest_pins.items() if a == actor_id}
             try:
                 have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+                self._actor_up(actor_id, "ingest", True)
+                for sid in sorted(want - have):
+                    metrics.STREAM_READDS.labels(actor=actor_id).inc()
+                    await asyncio.wait_for(handle.add_stream.remote(
+                        stream_options(streams[sid], self.cfg.translation)), timeout_s)
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
+                # Caught while Ray restarts it (ActorUnavailableError): its new process
+                # sends no second death signal, so supervise() tries again soon.
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "ingest", False)
+                self._ingest_unreached.add(actor_id)
                 continue
-            self._actor_up(actor_id, "ingest", True)
-            for sid in sorted(want - have):
-                metrics.STREAM_READDS.labels(actor=actor_id).inc()
-                await handle.add_stream.remote(
-                    stream_options(streams[sid], self.cfg.translation))
+            self._ingest_unreached.discard(actor_id)
         return problems
 
     async def _move_streams(self, actor_id: str, streams: dict[str, StreamConfig]
@@ -749,6 +771,94 @@ class EventRuntime:
                 problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
         self._export_placement()
         return problems
+
+    def _observe_lag(self, actor_id: str, reported: dict[str, Any], now: float) -> None:
+        """Note which of the actor's streams are behind real time (`AsrHost.health`:
+        the latency of each stream's latest caption with text, and its age). A latency
+        older than twice the threshold says nothing about now (the room went quiet), and
+        a stream in its cooldown after a move for lag is not watched: its new owner
+        catches up on old audio, and those captions are late by design."""
+        e = self.cfg.engine
+        limit = e.move_after_lag_s
+        assert self.router is not None
+        self._lagging_actors.discard(actor_id)
+        if limit is None:
+            return
+        for sid in [s for s, a in self.router.pins.items() if a == actor_id]:
+            if sid not in reported:  # not running there (yet): nothing to judge
+                self._behind_since.pop(sid, None)
+        for sid, info in reported.items():
+            if self.router.pins.get(sid) != actor_id or not isinstance(info, dict):
+                continue
+            lag, age = info.get("caption_lag_s"), info.get("caption_lag_age_s")
+            if lag is None or age is None or age > 2 * limit:
+                lag = 0.0  # unknown, or stale
+            cooling = now - self._lag_moved_at.get(sid, -math.inf) < e.move_cooldown_s
+            if lag > limit / 2:
+                self._lagging_actors.add(actor_id)
+            if lag > limit and not cooling:
+                self._behind_since.setdefault(sid, now)
+            else:
+                self._behind_since.pop(sid, None)
+
+    async def _move_lagging(self, streams: dict[str, StreamConfig]) -> list[str]:
+        """A stream behind real time for `move_lag_sustain_s` moves to the least loaded
+        actor with room that is up, has no stream behind itself and had no stream moved
+        off it for lag within `move_cooldown_s` (so two slow actors never trade a stream
+        back and forth). It leaves its actor first — one owner at a time — and resumes
+        on the new one from its cursor, like a failover."""
+        assert self.router is not None
+        e = self.cfg.engine
+        now = time.monotonic()
+        problems: list[str] = []
+        moved = False
+        for sid, since in sorted(self._behind_since.items()):
+            source = self.router.pins.get(sid)
+            if now - since < e.move_lag_sustain_s or source is None \
+                    or source in self._down_since:
+                continue
+            cooled = {a for a, t in self._lag_left_at.items() if now - t < e.move_cooldown_s}
+            target = self.router.move(sid, avoid={source, *self._down_since,
+                                                  *self._lagging_actors, *cooled})
+            if target is None:
+                problems.append(f"{sid}: behind real time on {source}; "
+                                "no actor with room that keeps up")
+                continue
+            try:  # one owner at a time: the slow actor lets go before the new one starts
+                await asyncio.wait_for(self.asr[source].remove_stream.remote(sid), 30)
+            except Exception as exc:
+                self.router.pins[sid] = source  # still there; the next pass tries again
+                problems.append(f"{sid}: cannot take it off {source}: {type(exc).__name__}")
+                continue
+            del self._behind_since[sid]
+            self._lag_moved_at[sid] = self._lag_left_at[source] = now
+            moved = True
+            log.warning("stream %s: captions behind real time by more than %.0f s on %s "
+                        "for %.0f s; moving it to %s", sid, e.move_after_lag_s, source,
+                        now - since, target)
+            metrics.STREAM_MOVES.labels(actor=target).inc()
+            await self._count_lag_move(sid)
+            try:
+                await asyncio.wait_for(self.asr[target].add_stream.remote(
+                    stream_options(streams[sid], self.cfg.translation)), 30)
+            except Exception as exc:  # pinned there: the next pass re-adds it
+                problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
+        if moved:
+            self._export_placement()
+            await self._report_status()
+        return problems
+
+    async def _count_lag_move(self, sid: str) -> None:
+        """`lag_moves` in the stream's status hash (the metric counts every move)."""
+        try:
+            redis = Redis.from_url(self.redis_url)
+            try:
+                await RedisBus(redis).incr_status(sid, "lag_moves")
+            finally:
+                await redis.aclose()
+        except Exception as exc:  # status is a view; the move is done without it
+            log.warning("stream %s: lag move not counted in its status: %s", sid,
+                        type(exc).__name__)
 
     async def supervise(self, every_s: float = 5.0, min_gap_s: float = 0.5) -> None:
         """Reconcile every `every_s`, and at once when an actor dies: one pending
@@ -791,6 +901,11 @@ class EventRuntime:
                 if waiting:
                     due = min(waiting) + self.cfg.engine.failover_after_s
                     wait_s = max(0.0, min(every_s, due - time.monotonic()))
+                if self._behind_since:  # and when a stream has been behind long enough
+                    due = min(self._behind_since.values()) + self.cfg.engine.move_lag_sustain_s
+                    wait_s = max(0.0, min(wait_s, due - time.monotonic()))
+                if self._ingest_unreached:  # restarting: its streams wait for a pass
+                    wait_s = min(wait_s, INGEST_RETRY_S)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(died.wait(), wait_s)
                 died.clear()

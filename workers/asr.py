@@ -113,6 +113,11 @@ class _StreamRunner:
         # by the stream's previous owner.
         self._consumed: deque[tuple[str, int]] = deque(maxlen=3000)
         self.floor_s = 0.0
+        # How far behind real time the stream's captions are: the latency (emit time less
+        # the capture time of its audio's end) of its latest publication with text, and
+        # when that was (the supervisor moves a stream that stays behind; see health()).
+        self.caption_lag_s: float | None = None
+        self.caption_lag_at = 0.0
 
     @property
     def bus(self) -> RedisBus:
@@ -236,6 +241,8 @@ class _StreamRunner:
     def _count_caption(self, seg: CaptionSegment) -> None:
         if seg.text:
             self._last_caption_at = seg.emit_time
+            self.caption_lag_s = max(0.0, seg.emit_time - seg.audio_end_wall)
+            self.caption_lag_at = seg.emit_time
             # The watchdog's voiced-without-text count restarts with this text too.
             self._speech_since_caption = 0.0
             self._voiced_seen = 0.0
@@ -442,10 +449,20 @@ class AsrHost:
         self.engine_ok = await self.engine.check_health()
         return {
             "actor_id": self.options.actor_id,
-            "streams": {sid: {"failures": r.failures} for sid, r in self._runners.items()},
+            "streams": {sid: self._stream_health(r) for sid, r in self._runners.items()},
             "engine_ok": self.engine_ok,
             **self.engine.describe(),
         }
+
+    @staticmethod
+    def _stream_health(runner: _StreamRunner) -> dict[str, float | int]:
+        """`caption_lag_s`: how far behind real time the stream's latest caption with
+        text came out, and `caption_lag_age_s` how long ago (absent before the first)."""
+        out: dict[str, float | int] = {"failures": runner.failures}
+        if runner.caption_lag_s is not None:
+            out["caption_lag_s"] = round(runner.caption_lag_s, 3)
+            out["caption_lag_age_s"] = round(max(0.0, time.time() - runner.caption_lag_at), 3)
+        return out
 
     async def _read_loop(self) -> None:
         while True:

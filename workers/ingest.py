@@ -6,6 +6,12 @@ decodes many streams. A failing source is retried with exponential backoff,
 its state and error are written to the stream's status, and when audio comes
 back the hole is recorded as an `AudioGap` with the audio clock moved on by
 the time lost: audio from both sides of a hole is never glued together.
+
+A resumable source (a file) has its position kept in `ingest:cursor:{stream}`
+after every entry written; when the stream's task starts again in the same run
+(its ingest actor was restarted by Ray, or the task died), the source goes on
+from there, so no speech is heard twice. The audio clock goes on after the
+stream's last entry either way, with the time lost as an `ingest-restart` gap.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.asyncio import Redis
@@ -33,6 +41,17 @@ log = logging.getLogger(__name__)
 
 INGEST_GAP_REASONS = ("late", "ingest-restart", "source-error", "source-crash")
 """Gap reasons of ingest itself (a source adds its own: `AudioSource.gap_reasons`)."""
+
+
+def ingest_cursor_key(stream: str) -> str:
+    """Where a resumable source of `stream` stands (see the module doc)."""
+    return f"ingest:cursor:{stream}"
+
+
+def source_fingerprint(url: str) -> str:
+    """Names the source a cursor belongs to without storing its URL (it may hold a
+    key): a stream whose source changed starts the new one from its start."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 class AudioClock:
@@ -128,6 +147,10 @@ class IngestHostOptions:
     """The ASR side's stall settings (engine.session): ingest's audio clock moves past a
     pause just before the ASR side fills it (workers/sessions/stall.py)."""
     report_every_s: float = 1.0
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The run a source cursor belongs to. Made once with the options, so an actor
+    that Ray restarts (same constructor arguments) resumes its files where they
+    stopped, while the next `babelcast run` of the event plays them from the start."""
 
 
 SourceFactory = Callable[[StreamOptions, Any], AudioSource]
@@ -259,6 +282,39 @@ class IngestHost:
             with contextlib.suppress(*RETRYABLE):
                 await self.bus.set_status(stream, source_note=event.detail)
 
+    async def _resume(self, stream: str, source: AudioSource) -> None:
+        """Start the source where this run's ingest of it stopped, if it did."""
+        try:
+            raw = await self.bus.redis.hgetall(ingest_cursor_key(stream))
+        except RETRYABLE as exc:  # unknown: start over rather than never start
+            log.warning("stream %s: source position not read: %s", stream, type(exc).__name__)
+            return
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        if fields.get("run") != self.options.run_id or \
+                fields.get("source") != source_fingerprint(source.url):
+            return
+        try:
+            samples = int(fields["samples"])
+        except (KeyError, ValueError):
+            return
+        source.resume_at(samples)
+        log.warning("stream %s: source resumes %.1f s in, where this run's ingest stopped",
+                    stream, samples / SAMPLE_RATE)
+        with contextlib.suppress(*RETRYABLE):  # status is a view
+            await self.bus.incr_status(stream, "source_resumes")
+            await self.bus.set_status(stream, source_resumed_at_s=round(samples / SAMPLE_RATE, 3))
+
+    async def _save_cursor(self, stream: str, source: AudioSource) -> None:
+        """After each entry written (100 ms): a restart re-reads at most that entry's audio
+        if it dies between the two writes."""
+        try:
+            await self.bus.redis.hset(ingest_cursor_key(stream), mapping={
+                "run": self.options.run_id, "source": source_fingerprint(source.url),
+                "samples": source.position()})
+        except RETRYABLE as exc:  # the next entry writes it again
+            log.debug("stream %s: source position not written: %s", stream,
+                      type(exc).__name__)
+
     async def _run(self, opts: StreamOptions) -> None:
         stream = opts.stream_id
         pos, wall = await retry_redis(lambda: self.bus.last_audio_end(stream),
@@ -278,6 +334,8 @@ class IngestHost:
         # Every gap series exists from the start, at 0 (dashboards, rate() alerts).
         self._count(stream, {f"source_gaps_{r}": 0.0
                              for r in (*INGEST_GAP_REASONS, *source.gap_reasons)})
+        if source.resumable:
+            await self._resume(stream, source)
         while True:
             await self._set(stream, "connecting")
             try:
@@ -290,6 +348,8 @@ class IngestHost:
                     gap = await write_audio(self.bus, clock, item)
                     if gap is not None:
                         self._count(stream, {f"source_gaps_{gap.reason}": 1.0})
+                    if source.resumable:
+                        await self._save_cursor(stream, source)
                     audio_s += len(item) / 2 / SAMPLE_RATE
                     if time.monotonic() - counted_at >= METRICS_EVERY_S:
                         self._count(stream, {"source_audio_s": audio_s})

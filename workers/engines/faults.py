@@ -8,6 +8,12 @@ manager's recovery can be exercised with real speech through a real model:
 - `RaisingEngine`: each session raises after `after_s` seconds of audio.
 A fresh session starts healthy again, as a real engine's new session would; with
 `sessions=N` only the first N sessions misbehave.
+- `SlowEngine`: while `slow` is set, every session takes `slowdown` times real time
+  to get through its audio (each chunk is held back that long before the real session
+  sees it), so its captions fall further behind the live edge the longer it runs —
+  what an engine on a saturated GPU looks like from outside, which a CPU-only test
+  cannot produce for real. A new session is as slow (the GPU is still saturated):
+  only moving the stream to another actor helps.
 """
 
 from __future__ import annotations
@@ -101,3 +107,48 @@ class MuteAfterEngine(_FaultyEngine):
 
 class RaisingEngine(_FaultyEngine):
     kind = "raise"
+
+
+class _SlowSession(RecognizeSession):
+    def __init__(self, inner: RecognizeSession, options: SessionOptions,
+                 engine: SlowEngine) -> None:
+        super().__init__(options)
+        self.inner = inner
+        self.engine = engine
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        forward = asyncio.create_task(self._forward())
+        try:
+            while True:
+                item = await inputs.get()
+                if item is END:
+                    await self.inner.end_input()
+                    await forward
+                    return
+                assert isinstance(item, (AudioChunk, AudioGap))
+                if isinstance(item, AudioChunk) and self.engine.slow:
+                    await asyncio.sleep(self.engine.slowdown * item.samples / SAMPLE_RATE)
+                await self.inner.push(item)
+        finally:
+            forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await forward
+            await self.inner.aclose()
+
+    async def _forward(self) -> None:
+        async for delta in self.inner:
+            await self._emit(delta)
+
+
+class SlowEngine(WrappedEngine):
+    def __init__(self, inner: SpeechEngine, slowdown: float, *, slow: bool = True) -> None:
+        if slowdown <= 1.0:
+            raise ValueError(f"slowdown must be above 1 (times real time), got {slowdown}")
+        super().__init__(inner)
+        self.slowdown = slowdown
+        self.slow = slow
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        session = _SlowSession(self.inner.open_session(options), options, self)
+        session.start()
+        return session

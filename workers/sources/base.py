@@ -12,6 +12,12 @@ source ended for good (a file played once, an HLS playlist's `#EXT-X-ENDLIST`).
 The ingest host makes one source object per stream and calls `chunks()` again
 after a failure, so a source may keep what it learned across attempts (the
 HLS reader's media sequence, so a segment is never read twice).
+
+A source that can be opened again where it stopped (a file) says so with
+`resumable`: the ingest host records `position()` in Redis after every entry it
+writes, and a restarted ingest actor calls `resume_at()` before `chunks()`, so
+no audio is heard twice. A live source is heard from its current position
+whenever it is opened (the host's audio clock records the hole).
 """
 
 from __future__ import annotations
@@ -64,6 +70,18 @@ class AudioSource(ABC):
     @abstractmethod
     def chunks(self) -> AsyncIterator[SourceItem]:
         """Yield PCM16 chunks (and events) until the source ends; raise SourceError on failure."""
+
+    resumable: bool = False
+    """Whether `position()` / `resume_at()` work (a file); False for live sources."""
+
+    def position(self) -> int:
+        """Samples into the source at the end of the audio yielded last (resumable
+        sources only): where `resume_at` would go on."""
+        raise NotImplementedError(f"{type(self).__name__} is a live source")
+
+    def resume_at(self, samples: int) -> None:
+        """Make the next `chunks()` start `samples` into the source (resumable only)."""
+        raise NotImplementedError(f"{type(self).__name__} is a live source")
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Release anything the source holds (processes, sockets)."""

@@ -25,7 +25,13 @@ class FileSource(AudioSource):
 
     Every failure is about the file itself (missing, unreadable, not audio) and
     retrying will not fix it, except an I/O error while reading, which may.
+
+    Resumable: `position()` is where the audio yielded last ends in the file (within
+    the current pass when looping); a retry after a read error, and a restarted
+    ingest actor that calls `resume_at()`, go on from there instead of the start.
     """
+
+    resumable = True
 
     def __init__(self, path: str, *, loop: bool = False, executor: Executor | None = None) -> None:
         self.url = path
@@ -35,8 +41,18 @@ class FileSource(AudioSource):
     def _open(self) -> InputContainer:
         return av.open(self._path, "r")
 
+    def position(self) -> int:
+        return self._decoder.position
+
+    def resume_at(self, samples: int) -> None:
+        if samples < 0:
+            raise ValueError(f"a file position is never negative (got {samples})")
+        self._decoder.start = self._decoder.position = samples
+
     async def chunks(self) -> AsyncIterator[bytes]:
         where = f"file source {self._path!r}"
+        # A retry (a read error) goes on where the audio stopped, not at the start.
+        self._decoder.start = self._decoder.position
         # One pacer across loop restarts: the reopen is seamless, so is the timing.
         pacer = Pacer()
         opened = False

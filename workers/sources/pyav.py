@@ -126,11 +126,26 @@ def _pcm(frame: AudioFrame) -> bytes:
     return frame.to_ndarray().tobytes()
 
 
-def _pcm_frames(container: InputContainer) -> Generator[bytes, None, None]:
-    """Blocking: the first audio stream as 16 kHz mono s16 byte strings."""
+def _pcm_frames(container: InputContainer, skip: int = 0) -> Generator[bytes, None, None]:
+    """Blocking: the first audio stream as 16 kHz mono s16 byte strings, without its
+    first `skip` samples (16 kHz). A skip seeks near its end first (a restarted ingest
+    in the middle of a long file must not decode everything before it), then drops
+    what precedes it by the frames' timestamps; a container that cannot seek, or
+    frames without timestamps, are decoded from the start and counted instead."""
     if not container.streams.audio:
         raise NoAudioError("has no audio stream")
     stream = container.streams.audio[0]
+    origin = float(stream.start_time * stream.time_base) if (
+        stream.start_time is not None and stream.time_base) else 0.0
+    drop = skip * 2  # bytes still to drop from the output (counting from the start)
+    seek_s: float | None = None
+    if skip and stream.time_base:
+        try:
+            container.seek(round((origin + skip / SAMPLE_RATE) / stream.time_base),
+                           stream=stream, backward=True)
+            seek_s = skip / SAMPLE_RATE
+        except (av.FFmpegError, OSError, ValueError):
+            seek_s = None  # decoded from the start: `drop` counts
     resampler: av.AudioResampler | None = None
     layout: tuple[str, str, int] | None = None
     bad = 0
@@ -144,6 +159,16 @@ def _pcm_frames(container: InputContainer) -> Generator[bytes, None, None]:
             continue
         bad = 0
         for frame in frames:
+            if seek_s is not None:
+                if frame.pts is None or not frame.time_base:
+                    # No timestamps to trim by: the seek's landing is taken as exact.
+                    drop, seek_s = 0, None
+                else:
+                    t0 = float(frame.pts * frame.time_base) - origin
+                    if t0 + frame.samples / frame.sample_rate <= seek_s:
+                        continue  # before the resume point (the seek lands before it)
+                    drop = max(0, round((seek_s - t0) * SAMPLE_RATE)) * 2
+                    seek_s = None
             # PyAV's resampler rejects a frame whose format differs from the first
             # (an HLS variant switch, a new encoder): start a new one instead.
             key = (frame.format.name, frame.layout.name, frame.sample_rate)
@@ -152,15 +177,31 @@ def _pcm_frames(container: InputContainer) -> Generator[bytes, None, None]:
                     yield from (_pcm(f) for f in resampler.resample(None))
                 resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
                 layout = key
-            yield from (_pcm(f) for f in resampler.resample(frame))
+            for out in resampler.resample(frame):
+                pcm = _pcm(out)
+                if drop:
+                    cut = min(drop, len(pcm))
+                    pcm, drop = pcm[cut:], drop - cut
+                if pcm:
+                    yield pcm
     if resampler is not None:
-        yield from (_pcm(f) for f in resampler.resample(None))
+        for out in resampler.resample(None):
+            pcm = _pcm(out)
+            if drop:
+                cut = min(drop, len(pcm))
+                pcm, drop = pcm[cut:], drop - cut
+            if pcm:
+                yield pcm
 
 
 class _PcmReader:
-    """Blocking demux → decode → resample → re-chunk; one `read` at a time, any thread."""
+    """Blocking demux → decode → resample → re-chunk; one `read` at a time, any thread.
 
-    def __init__(self, opener: Opener, *, repeat: bool) -> None:
+    Knows where each chunk ends in the container's audio (samples from its start,
+    within the current pass of a repeated file), so a file can be opened again there.
+    """
+
+    def __init__(self, opener: Opener, *, repeat: bool, start: int = 0) -> None:
         self._opener = opener
         self._repeat = repeat
         self._lock = threading.Lock()
@@ -168,11 +209,16 @@ class _PcmReader:
         self._container: InputContainer | None = None
         self._frames: Generator[bytes, None, None] | None = None
         self._pass_bytes = 0
+        # Where the current pass began in the container (bytes): the resume point for
+        # the first pass, 0 for every repeat; and the length of the pass before it.
+        self._pass_origin = start * 2
+        self._prev_pass_len = 0
         # Kept across a repeat's reopen so a looped file has no short chunk at the seam.
         self._pending = bytearray()
 
-    def read(self) -> tuple[list[bytes], bool]:
-        """Decode until at least one full chunk is ready; returns (chunks, ended)."""
+    def read(self) -> tuple[list[tuple[bytes, int]], bool]:
+        """Decode until at least one full chunk is ready; returns ([(chunk, end sample
+        in the container)], ended)."""
         with self._lock:
             result = self._read_locked()
         if self._closing:
@@ -189,13 +235,21 @@ class _PcmReader:
             finally:
                 self._lock.release()
 
-    def _read_locked(self) -> tuple[list[bytes], bool]:
+    def _end_sample(self, unread_after: int) -> int:
+        """The container position of the decoded audio's end less `unread_after` bytes
+        (a chunk that straddles a repeat's seam ends in the pass before)."""
+        end = self._pass_origin + self._pass_bytes - unread_after
+        if end < 0:
+            end += self._prev_pass_len
+        return end // 2
+
+    def _read_locked(self) -> tuple[list[tuple[bytes, int]], bool]:
         if self._closing:
             return [], True
         while len(self._pending) < CHUNK_BYTES:
             if self._frames is None:
                 self._container = self._opener()
-                self._frames = _pcm_frames(self._container)
+                self._frames = _pcm_frames(self._container, self._pass_origin // 2)
                 self._pass_bytes = 0
             pcm = next(self._frames, None)
             if pcm is not None:
@@ -204,14 +258,20 @@ class _PcmReader:
                 continue
             self._close_container()
             if self._repeat:
-                if self._pass_bytes == 0:
+                if self._pass_bytes == 0 and self._pass_origin == 0:
                     raise NoAudioError("decodes to no audio")  # else we would reopen forever
+                # The next pass starts at the container's start (a resume point at or
+                # past the end of a looped file yields nothing and starts over).
+                self._prev_pass_len = self._pass_origin + self._pass_bytes
+                self._pass_origin, self._pass_bytes = 0, 0
                 continue
             tail = bytes(self._pending)
             self._pending.clear()
-            return ([tail] if tail else []), True
+            return ([(tail, self._end_sample(0))] if tail else []), True
         end = len(self._pending) // CHUNK_BYTES * CHUNK_BYTES
-        chunks = [bytes(self._pending[i : i + CHUNK_BYTES]) for i in range(0, end, CHUNK_BYTES)]
+        chunks = [(bytes(self._pending[i : i + CHUNK_BYTES]),
+                   self._end_sample(len(self._pending) - i - CHUNK_BYTES))
+                  for i in range(0, end, CHUNK_BYTES)]
         del self._pending[:end]
         return chunks, False
 
@@ -230,6 +290,8 @@ class PyAVDecoder:
     Not paced. Raises what PyAV raises (`av.FFmpegError`, `OSError`) and
     `NoAudioError`; sources turn those into `SourceError`. With `repeat` the
     container is reopened at its end and decoding continues seamlessly.
+    `position`: samples into the container (within the current pass) at the end of
+    the chunk yielded last; `start` (settable): where the next `chunks()` begins.
     """
 
     def __init__(
@@ -239,14 +301,19 @@ class PyAVDecoder:
         self._executor = executor
         self._repeat = repeat
         self._reader: _PcmReader | None = None
+        self.start = 0
+        self.position = 0
 
     async def chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        reader = self._reader = _PcmReader(self._opener, repeat=self._repeat)
+        reader = self._reader = _PcmReader(self._opener, repeat=self._repeat,
+                                           start=self.start)
+        self.position = self.start
         try:
             while True:
                 batch, ended = await loop.run_in_executor(self._executor, reader.read)
-                for chunk in batch:
+                for chunk, end in batch:
+                    self.position = end
                     yield chunk
                 if ended:
                     return
