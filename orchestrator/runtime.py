@@ -816,11 +816,15 @@ class EventRuntime:
                 task.cancel()
 
     # ---- hot apply (orchestrator.apply; call with control_lock held) ------------
-    def free_slots(self) -> int:
-        """Streams the ASR actors can still take (actors known to be down excluded)."""
+    def free_slots(self, releasing: frozenset[str] = frozenset()) -> int:
+        """Streams the ASR actors that are up can take, once `releasing` have left."""
         assert self.router is not None
         up = [a for a in self.router.actors if a not in self._down_since]
-        return sum(max(0, self.router.budget - self.router.load(a)) for a in up)
+        held = {a: 0 for a in up}
+        for sid, a in self.router.pins.items():
+            if a in held and sid not in releasing:
+                held[a] += 1
+        return sum(max(0, self.router.budget - n) for n in held.values())
 
     async def add_stream(self, s: StreamConfig, timeout_s: float = 60.0) -> str:
         """Place a stream that joined the event on the least loaded ASR actor with room
