@@ -95,6 +95,13 @@ async def _scenario(ev: Event, tmp: Path, url: str) -> None:
 
         await eventually(lambda: has_text("hall"), 40, "hall captions")
         await eventually(lambda: has_text("annex"), 20, "annex captions")
+
+        async def annex_open() -> bool:  # so that the drain has a caption to close
+            last = await bus.last_caption("annex", "en")
+            return last is not None and not last.is_final and bool(last.text)
+
+        await eventually(annex_open, 20, "an open caption on annex")
+        open_id = (await bus.last_caption("annex", "en")).segment_id  # type: ignore[union-attr]
         hall_before = await bus.get_status("hall")
         assert float(hall_before["sessions_opened"]) == 1, hall_before
         anonymous = await http.post("/v1/admin/apply", headers={"Authorization": ""},
@@ -107,14 +114,16 @@ async def _scenario(ev: Event, tmp: Path, url: str) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
         assert "added      extra" in done.stdout and "removed    annex" in done.stdout
         assert "changed    hall: targets" in done.stdout, done.stdout
-        listed = {s["id"] for s in (await http.get("/v1/streams")).json()}
-        assert listed == {"hall", "extra"}, "the gateway serves the new stream set"
+        served = {s["id"]: s for s in (await http.get("/v1/streams")).json()}
+        assert set(served) == {"hall", "extra"}, "the gateway serves the new stream set"
+        assert served["hall"]["targets"] == ["es"]
 
         annex = await _captions(bus, "annex")
         finals = [c for c in annex if c.is_final]
         assert annex[-1].is_final, "annex's open caption was closed"
         assert len({c.segment_id for c in finals}) == len(finals), "a caption final twice"
         assert {c.segment_id for c in annex} == {c.segment_id for c in finals}
+        assert [c.segment_id for c in finals].count(open_id) == 1, "open caption not closed"
         assert [c.seq for c in annex] == list(range(1, len(annex) + 1))
         drained = re.search(r"removed    annex \(last_seq (\d+)", done.stdout)
         assert drained and int(drained.group(1)) == annex[-1].seq, done.stdout
