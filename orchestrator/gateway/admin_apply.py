@@ -28,6 +28,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.apply import MAX_QUEUED, control_key, reply_key, streams_key
@@ -167,20 +168,25 @@ def streams_from_view(raw: bytes | str) -> list[GatewayStream]:
 class StreamFollower:
     """Keeps `ctx.by_id` (and `ctx.push_ids`) equal to the orchestrator's stream set."""
 
-    def __init__(self, ctx: GatewayContext, event_name: str) -> None:
+    def __init__(self, ctx: GatewayContext, event_name: str, redis_url: str) -> None:
         self.ctx = ctx
         self.key = streams_key(event_name)
+        self.redis_url = redis_url
+        # Its own client: the pub/sub connection it holds for the process's lifetime is
+        # not taken from the pool the clients' requests wait on.
+        self._redis: Any = None
         self._seen: bytes | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> StreamFollower:
+        self._redis = Redis.from_url(self.redis_url)
         with contextlib.suppress(Exception):  # Redis away: the loop reads it later
             await self.refresh()
         self._task = asyncio.create_task(self._run(), name="stream-follower")
         return self
 
     async def refresh(self) -> None:
-        raw = await self.ctx.redis.get(self.key)
+        raw = await self._redis.get(self.key)
         if raw is None or raw == self._seen:
             return
         try:
@@ -198,7 +204,7 @@ class StreamFollower:
 
     async def _run(self) -> None:
         while True:
-            pubsub = self.ctx.redis.pubsub()
+            pubsub = self._redis.pubsub()
             try:
                 await pubsub.subscribe(self.key)
                 while True:
@@ -218,3 +224,5 @@ class StreamFollower:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._redis is not None:
+            await self._redis.aclose()

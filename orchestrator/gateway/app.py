@@ -108,7 +108,7 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         await hub.start()
         ctx.bind(redis, hub, hls_options)
         _app.state.hub = hub
-        follower = await admin_apply.StreamFollower(ctx, event_name).start()  # hot apply
+        follower = await admin_apply.StreamFollower(ctx, event_name, redis_url).start()  # hot apply
         try:
             yield
         finally:
