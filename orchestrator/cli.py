@@ -6,8 +6,9 @@
     babelcast status [--url http://127.0.0.1:8000] [--json] [--watch S]
     babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--url URL | --redis URL]
     babelcast token FILE|--url URL [--stream S]... [--lang xx]... [--ttl S] [--sub NAME]
+    babelcast apply FILE [--url URL]  the changed file applied live to the running event
 
-tail, status, export --url and token --url send `--token`, else $BABELCAST_TOKEN, else (a
+tail, status, apply, export --url and token --url send `--token`, else $BABELCAST_TOKEN, else (a
 gateway on this machine run without an `auth` section) the run's own tokens.
 """
 
@@ -258,6 +259,92 @@ def _export_via_gateway(url: str, stream: str, lang: str | None, fmt: str, profi
             int(resp.headers.get("x-babelcast-finals", "0")))
 
 
+def _apply_url(cfg: EventConfig, explicit: str | None) -> str:
+    """--url, else $BABELCAST_URL, else the gateway the file itself names."""
+    if explicit:
+        return explicit.rstrip("/")
+    if os.environ.get("BABELCAST_URL"):
+        return os.environ["BABELCAST_URL"].rstrip("/")
+    host = cfg.gateway.host
+    if host in ("0.0.0.0", "::", ""):  # listens everywhere: this machine reaches it here
+        host = "127.0.0.1"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{cfg.gateway.port or 8000}"
+
+
+def _print_apply(reply: dict[str, Any]) -> None:
+    status = reply.get("status", "?")
+    for line in reply.get("refused") or ():
+        print(f"refused: {line}", file=sys.stderr)
+    if status == "refused":
+        print("nothing was applied", file=sys.stderr)
+        return
+    placed, drained = reply.get("placed") or {}, reply.get("drained") or {}
+    print(f"event {reply.get('event', '?')!r}: {status}")
+    for sid in reply.get("added") or ():
+        print(f"  added      {sid}" + (f" (on {placed[sid]})" if sid in placed else ""))
+    for sid in reply.get("removed") or ():
+        d = drained.get(sid, {})
+        extra = ", ".join(f"{k} {v}" for k, v in d.items())
+        print(f"  removed    {sid}" + (f" ({extra})" if extra else ""))
+    for sid, fields in (reply.get("changed") or {}).items():
+        print(f"  changed    {sid}: {', '.join(fields)}")
+    if reply.get("unchanged"):
+        print(f"  unchanged  {', '.join(reply['unchanged'])}")
+    if reply.get("glossary"):
+        print("  glossary   applied")
+    if reply.get("youtube"):
+        print("  youtube    sinks updated")
+    for line in reply.get("problems") or ():
+        print(f"problem: {line}", file=sys.stderr)
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    """Validate here (what `validate` prints, nothing sent when invalid), then hand the
+    file to the running event's gateway (POST /v1/admin/apply) and print its answer."""
+    from pathlib import Path
+
+    import httpx
+
+    from orchestrator.gateway.local_credentials import token_for
+
+    cfg = _load_or_exit(args.file)
+    path = Path(args.file)
+    url = _apply_url(cfg, args.url)
+    token = token_for(url, "admin", args.token)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body = {"yaml": path.read_text(encoding="utf-8"), "filename": args.file,
+            "base_dir": str(path.parent.resolve())}
+    try:
+        resp = httpx.post(f"{url}/v1/admin/apply", json=body, headers=headers, timeout=180)
+    except httpx.HTTPError as exc:
+        print(f"babelcast apply: cannot reach the gateway at {url} ({type(exc).__name__}); "
+              "is `babelcast run` running there? set --url or $BABELCAST_URL; nothing was "
+              "applied", file=sys.stderr)
+        return 2
+    try:
+        reply: dict[str, Any] = resp.json()
+    except ValueError:
+        reply = {}
+    if resp.status_code == 422 and reply.get("errors"):
+        for line in reply["errors"]:
+            print(line, file=sys.stderr)
+        print(f"{args.file}: {len(reply['errors'])} problem(s); nothing was applied",
+              file=sys.stderr)
+        return 2
+    if "status" not in reply:
+        hint = ("; pass --token (the admin token) or set $BABELCAST_TOKEN"
+                if resp.status_code in (401, 403) else "")
+        print(f"babelcast apply: {url}/v1/admin/apply answered {resp.status_code}: "
+              f"{reply.get('detail', resp.text[:300])}{hint}", file=sys.stderr)
+        return 2
+    _print_apply(reply)
+    if reply["status"] in ("applied", "unchanged"):
+        return 0 if reply.get("ok", True) else 1
+    return 2
+
+
 def cmd_token(args: argparse.Namespace) -> int:
     """A viewer token: signed here with the key the event file names, or minted by a
     running gateway (`--url`, with the admin token)."""
@@ -367,6 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "$BABELCAST_REDIS_URL or local 6379)")
     e.add_argument("--token", default=None, help="with --url: a viewer or the admin token")
     e.set_defaults(func=cmd_export)
+    ap = sub.add_parser("apply", help="apply a changed event file to the running event: "
+                        "streams added, removed, targets and glossary changed live")
+    ap.add_argument("file")
+    ap.add_argument("--url", default=None, help="the event's gateway (default: "
+                    "$BABELCAST_URL, else the gateway the file names)")
+    ap.add_argument("--token", default=None, help="the admin token")
+    ap.set_defaults(func=cmd_apply)
     k = sub.add_parser("token", help="mint a viewer token (for OBS overlay URLs, HLS, tail)")
     k.add_argument("file", nargs="?", default=None,
                    help="the event file: sign here with its auth.signing_key_env")

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from orchestrator.apply import ApplyController, publish_streams
 from orchestrator.config import EventConfig
 from orchestrator.epoch import EpochGuard
 from orchestrator.gateway.access import GatewaySecurity
@@ -126,6 +127,8 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         if runtime.redis_child is not None:
             background.append(asyncio.create_task(keep_alive(runtime.redis_child),
                                                   name="redis-child"))
+        async with Redis.from_url(redis_url) as fresh:  # before a gateway reads it
+            await publish_streams(fresh, cfg)
         port = cfg.gateway.port or free_port(cfg.gateway.host)
         app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,),
                          hls=hls_options(cfg.outputs), security=security)
@@ -161,12 +164,19 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         view = LiveView(cfg, redis, base, plain=plain, unplaced=runtime.unplaced,
                         viewer_token=viewer_token)
         viewer = asyncio.create_task(view.run(stop), name="live-view")
+
+        def applied(new: EventConfig) -> None:  # after a hot apply (orchestrator.apply)
+            view.cfg = new
+            guard.keys = [(s.id, lang) for s in new.streams
+                          for lang in (stream_options(s).caption_lang, *s.targets)]
+        control = asyncio.create_task(ApplyController(runtime, redis, outputs,
+                                                       on_applied=applied).run(), name="apply")
         timeout = None if duration_s is None else max(0.0, duration_s - (time.monotonic() -
                                                                          started))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout)
         stop.set()
-        for task in (viewer, supervisor, *background):
+        for task in (control, viewer, supervisor, *background):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task

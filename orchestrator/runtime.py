@@ -35,7 +35,7 @@ from orchestrator.status import register_actors
 from translation.backends import BackendSettings, concrete
 from translation.backends.openai_chat import OpenAIChatOptions
 from translation.backends.vllm_chat import VllmChatOptions
-from translation.glossary import GlossaryTerm
+from translation.glossary import Glossary, GlossaryTerm
 from translation.host import TranslationHost, TranslationHostOptions
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus
@@ -425,6 +425,15 @@ class AsrActor(_HostActor):
         super().__init__()
         self.host = AsrHost(options, build_engine(engine), RayMetricsSink(options.actor_id))
 
+    async def update_stream(self, opts: StreamOptions) -> bool:
+        assert isinstance(self.host, AsrHost)
+        return await self.host.update_stream(opts)
+
+    async def drain_stream(self, stream_id: str, lang: str) -> int:
+        assert isinstance(self.host, AsrHost)
+        await self._ensure()
+        return await self.host.drain_stream(stream_id, lang)
+
 
 class IngestActor(_HostActor):
     def __init__(self, options: IngestHostOptions) -> None:
@@ -457,6 +466,10 @@ class TranslatorActor:
 
     async def stats(self) -> dict[str, float]:
         return self.host.stats()
+
+    async def set_glossary(self, terms: tuple[GlossaryTerm, ...]) -> None:
+        """A hot apply's glossary: the next batch is translated with it."""
+        self.host.glossary = Glossary(terms)
 
     async def stop(self) -> None:
         if self._started:
@@ -510,6 +523,10 @@ class EventRuntime:
     _lagging_actors: set[str] = field(default_factory=set)
     # ingest actors the last pass could not reach (their streams are not re-added yet)
     _ingest_unreached: set[str] = field(default_factory=set)
+    # Held by each supervisor pass and by each hot apply's changes to pins and config
+    # (orchestrator.apply): a pass that read the pins before a stream was removed would
+    # otherwise add it back.
+    control_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     # ---- lifecycle ---------------------------------------------------------
     def start_services(self) -> str:
@@ -910,11 +927,109 @@ class EventRuntime:
                     await asyncio.wait_for(died.wait(), wait_s)
                 died.clear()
                 with contextlib.suppress(Exception):
-                    await self.reconcile()
+                    async with self.control_lock:
+                        await self.reconcile()
                 await asyncio.sleep(min_gap_s)  # a restarting actor fails watches at once
         finally:
             for task in watches.values():
                 task.cancel()
+
+    # ---- hot apply (orchestrator.apply; call with control_lock held) ------------
+    def free_slots(self, releasing: frozenset[str] = frozenset()) -> int:
+        """Streams the ASR actors that are up can take, once `releasing` have left."""
+        assert self.router is not None
+        up = [a for a in self.router.actors if a not in self._down_since]
+        held = {a: 0 for a in up}
+        for sid, a in self.router.pins.items():
+            if a in held and sid not in releasing:
+                held[a] += 1
+        return sum(max(0, self.router.budget - n) for n in held.values())
+
+    async def add_stream(self, s: StreamConfig, timeout_s: float = 60.0) -> str:
+        """Place a stream that joined the event on the least loaded ASR actor with room
+        and start its ingest; returns the actor. Raises PlacementError when none has
+        room. An actor that does not answer in time keeps the pin: the supervisor adds
+        the stream there at its next pass (`self.cfg` must list it by then)."""
+        assert self.router is not None
+        opts = stream_options(s, self.cfg.translation)
+        actor = self.router.move(s.id, avoid=set(self._down_since))
+        if actor is None:
+            raise PlacementError(f"stream {s.id!r} cannot be placed: every ASR actor that "
+                                 "is up is full; remove a stream, or raise engine.actors or "
+                                 "engine.streams_per_actor and restart the event")
+        if s.id in self.unplaced:
+            self.unplaced.remove(s.id)
+        await asyncio.wait_for(self.asr[actor].add_stream.remote(opts), timeout_s)
+        if s.source_kind != "push":
+            load = {a: 0 for a in self.ingest}
+            for a in self._ingest_pins.values():
+                load[a] = load.get(a, 0) + 1
+            ing = min(self.ingest, key=lambda a: (load[a], list(self.ingest).index(a)))
+            self._ingest_pins[s.id] = ing
+            await asyncio.wait_for(self.ingest[ing].add_stream.remote(opts), timeout_s)
+        self._export_placement()
+        return actor
+
+    async def remove_stream(self, s: StreamConfig, timeout_s: float = 30.0) -> tuple[int, str]:
+        """Drain a stream that left the event: its ingest stops (no more audio), its ASR
+        session stops and a caption it left open is published as a final, once; its
+        router budget is freed. Returns (the seq of its last caption in its own language,
+        a problem or ""). Its outputs are closed by the caller once they have that seq."""
+        assert self.router is not None
+        problem = ""
+        actor = self.router.pins.get(s.id)
+        self.router.release(s.id)
+        for seen in (self._behind_since, self._lag_moved_at):  # lag moves forget it
+            seen.pop(s.id, None)
+        if s.id in self.unplaced:
+            self.unplaced.remove(s.id)
+        ing = self._ingest_pins.pop(s.id, None)
+        if ing is not None:
+            try:  # first: the ASR side then sees no new audio while it closes
+                await asyncio.wait_for(self.ingest[ing].remove_stream.remote(s.id), timeout_s)
+            except Exception as exc:
+                problem = f"ingest {ing} did not stop it: {type(exc).__name__}"
+        last_seq = 0
+        lang = stream_options(s).caption_lang
+        if actor is not None:
+            try:
+                last_seq = await asyncio.wait_for(
+                    self.asr[actor].drain_stream.remote(s.id, lang), timeout_s)
+            except Exception as exc:
+                # Unpinned anyway: an actor that answers again drops it (reconcile).
+                problem = (f"ASR actor {actor} did not drain it ({type(exc).__name__}); "
+                           "a caption it left open stays open")
+        metrics.STREAM_UNPLACED.labels(stream=s.id).set(0)
+        self._export_placement()
+        return last_seq, problem
+
+    async def update_stream(self, s: StreamConfig, timeout_s: float = 30.0) -> str:
+        """A running stream's new targets (and name), taken by its ASR actor without
+        touching its session; starts the translator pool if this is the event's first
+        target. Returns a problem or ""."""
+        assert self.router is not None
+        if s.targets and not self.translators:
+            await self.start_translators()
+        actor = self.router.pins.get(s.id)
+        if actor is None:
+            return ""
+        try:
+            await asyncio.wait_for(self.asr[actor].update_stream.remote(
+                stream_options(s, self.cfg.translation)), timeout_s)
+        except Exception as exc:  # the supervisor's next re-add uses self.cfg's targets
+            return f"ASR actor {actor} did not take it: {type(exc).__name__}"
+        return ""
+
+    async def set_glossary(self, timeout_s: float = 30.0) -> list[str]:
+        """Every translator takes the glossary of `self.cfg`; returns problems."""
+        terms = translation_host_options(self.cfg, "", self.redis_url).glossary
+        problems: list[str] = []
+        for actor_id, handle in self.translators.items():
+            try:
+                await asyncio.wait_for(handle.set_glossary.remote(terms), timeout_s)
+            except Exception as exc:
+                problems.append(f"{actor_id} did not take the glossary: {type(exc).__name__}")
+        return problems
 
     def _actor_of(self, handle: Any) -> str:
         for group in (self.asr, self.ingest, self.translators):

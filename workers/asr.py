@@ -23,7 +23,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from workers.backlog import BacklogGuard
-from workers.bus import RETRYABLE, RedisBus, entry_ms, retry_redis
+from workers.bus import RETRYABLE, RedisBus, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
 from workers.engines.vad import VadService
@@ -441,6 +441,40 @@ class AsrHost:
         runner = self._runners.pop(stream_id, None)
         if runner is not None:
             await runner.stop()
+
+    async def update_stream(self, opts: StreamOptions) -> bool:
+        """Take a running stream's new targets (and display name) without touching its
+        session: the next final is translated into the new targets. False when the
+        stream is not here."""
+        runner = self._runners.get(opts.stream_id)
+        if runner is None:
+            return False
+        runner.opts = replace(runner.opts, name=opts.name, targets=opts.targets,
+                              partials_every_s=opts.partials_every_s)
+        return True
+
+    async def drain_stream(self, stream_id: str, lang: str) -> int:
+        """Remove a stream for good (it left the event): its session stops, and a caption
+        left open is published as a final as it was shown, once (a second drain finds
+        it final). Its cursor goes too, so the stream added again later starts at the
+        live edge. Returns the seq of the stream's last publication in `lang` (0: none)."""
+        # The runner's options go with it: the closed final gets its translation job.
+        runner = self._runners.get(stream_id)
+        await self.remove_stream(stream_id)
+        last = await self.bus.last_caption(stream_id, lang)
+        last_seq = max(await self.bus.last_seq(stream_id, lang), last.seq if last else 0)
+        if last is not None and not last.is_final and last.text:
+            closing = Segmenter(stream_id, lang, next_seq=last_seq + 1)
+            closed = closing.close(last)
+            await retry_redis(functools.partial(self.bus.publish_caption, closed),
+                              what=f"stream {stream_id}", log=log)
+            last_seq = closed.seq
+            if runner is not None:  # translated like every final
+                await runner._enqueue_translation(closed)
+        await self.bus.redis.delete(cursor_key(stream_id))
+        with contextlib.suppress(*RETRYABLE):
+            await self.bus.set_status(stream_id, asr_state="removed", asr_actor="")
+        return last_seq
 
     def streams(self) -> list[str]:
         return list(self._runners)

@@ -6,7 +6,7 @@ Routes and who may use them (see `auth` for the token kinds, `access` for admiss
 |---|---|
 | `GET /livez`, `GET /healthz` (readiness, see `health`) | nothing |
 | `GET /metrics` | admin, or the scrape token |
-| `GET /v1/status`, `POST /v1/tokens` | admin |
+| `GET /v1/status`, `POST /v1/tokens`, `POST /v1/admin/apply` | admin |
 | `GET /v1/streams[/{id}]`, `GET /` | admin or a viewer token (its streams only) |
 | `GET /v1/streams/{id}/transcript.{vtt,srt}?lang=xx` | viewer of that stream and language |
 | `GET /overlay/{id}`, `/hls/...`, WS `/v1/streams/{id}/captions` | viewer of that stream |
@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import BlockingConnectionPool, Redis
 
 from orchestrator import metrics
+from orchestrator.gateway import admin_apply
 from orchestrator.gateway.access import (
     Access,
     GatewaySecurity,
@@ -107,9 +108,11 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         await hub.start()
         ctx.bind(redis, hub, hls_options)
         _app.state.hub = hub
+        follower = await admin_apply.StreamFollower(ctx, event_name, redis_url).start()  # hot apply
         try:
             yield
         finally:
+            await follower.aclose()
             await hub.stop()
             await redis.aclose()
 
@@ -330,5 +333,6 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
     async def push_audio_endpoint(ws: WebSocket, stream_id: str) -> None:
         await push_audio_ws(ctx, ws, stream_id)
 
+    admin_apply.install(app, ctx, event_name)  # POST /v1/admin/apply
     app.state.context = ctx
     return app

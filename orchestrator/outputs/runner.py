@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,30 +108,95 @@ class OutputsRunner:
         self.options = options
         self.sinks: dict[tuple[str, str], list[Sink]] = {}
         self._task: asyncio.Task[None] | None = None
+        # Held while a caption is handed to sinks: `update` takes it before it stops the
+        # reader, so a file is never closed under a write in flight.
+        self._dispatching = asyncio.Lock()
         self.undecodable = 0
 
     async def start(self) -> None:
-        yt = {(o.stream, o.lang): o for o in self.options.youtube}
         for stream, lang in self.tracks:
-            latest = await self.bus.last_caption(stream, lang)
-            latest_seq = latest.seq if latest else 0
-            sinks: list[Sink] = []
-            if self.options.archive_dir is not None:
-                archive = ArchiveSink(ArchiveWriter(self.options.archive_dir, stream, lang,
-                                                    self.options.archive_profile))
-                try:
-                    await archive.open(latest_seq)
-                except (ArchiveError, OSError) as exc:
-                    metrics.OUTPUT_ERRORS.labels(output="archive").inc()
-                    log.error("%s: not archiving: %s", archive.name, exc)
-                else:
-                    sinks.append(archive)
-            if (stream, lang) in yt:
-                sinks.append(await self._youtube(yt[(stream, lang)], latest_seq))
-            if sinks:
-                self.sinks[(stream, lang)] = sinks
+            await self._open_track(stream, lang)
         if self.sinks:
             self._task = asyncio.create_task(self._read(), name="outputs-runner")
+
+    async def _open_track(self, stream: str, lang: str) -> None:
+        yt = {(o.stream, o.lang): o for o in self.options.youtube}
+        latest = await self.bus.last_caption(stream, lang)
+        latest_seq = latest.seq if latest else 0
+        sinks: list[Sink] = []
+        if self.options.archive_dir is not None:
+            archive = ArchiveSink(ArchiveWriter(self.options.archive_dir, stream, lang,
+                                                self.options.archive_profile))
+            try:
+                await archive.open(latest_seq)
+            except (ArchiveError, OSError) as exc:
+                metrics.OUTPUT_ERRORS.labels(output="archive").inc()
+                log.error("%s: not archiving: %s", archive.name, exc)
+            else:
+                sinks.append(archive)
+        if (stream, lang) in yt:
+            sinks.append(await self._youtube(yt[(stream, lang)], latest_seq))
+        if sinks:
+            self.sinks[(stream, lang)] = sinks
+
+    async def _restart_reader(self) -> None:
+        """The read task again over the current tracks; each key resumes after its
+        sinks' last seq, so nothing is read twice or skipped."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.sinks:
+            self._task = asyncio.create_task(self._read(), name="outputs-runner")
+
+    async def update(self, tracks: Sequence[tuple[str, str]],
+                     youtube: tuple[YoutubeOptions, ...] | None = None) -> list[str]:
+        """A hot apply: start the outputs of new tracks, close (flushed) those of tracks
+        that are gone, and restart a track whose YouTube sink changed. Tracks that did
+        not change keep their sinks and files. Returns the closed tracks' names."""
+        wanted = list(dict.fromkeys(tracks))
+        changed: set[tuple[str, str]] = set()
+        if youtube is not None:
+            old = {(o.stream, o.lang): o for o in self.options.youtube}
+            new = {(o.stream, o.lang): o for o in youtube}
+            changed = {k for k in old.keys() | new.keys() if old.get(k) != new.get(k)}
+            self.options = replace(self.options, youtube=youtube)
+        gone = [t for t in self.tracks if t not in wanted or t in changed]
+        added = [t for t in wanted if t not in self.tracks or t in changed]
+        if not gone and not added:
+            return []
+        async with self._dispatching:
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+                self._task = None
+        closed: list[str] = []
+        for key in gone:
+            for sink in self.sinks.pop(key, []):
+                try:
+                    await sink.aclose()
+                except Exception as exc:
+                    log.error("%s: close failed: %s", sink.name, type(exc).__name__)
+                closed.append(sink.name)
+        self.tracks = wanted
+        for stream, lang in added:
+            await self._open_track(stream, lang)
+        await self._restart_reader()
+        return closed
+
+    async def caught_up(self, stream: str, lang: str, seq: int, timeout_s: float) -> bool:
+        """Until every sink of (stream, lang) has handled seq (True), or `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            sinks = self.sinks.get((stream, lang), [])
+            if all(s.after_seq >= seq for s in sinks):
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def _youtube(self, options: YoutubeOptions, latest_seq: int) -> YoutubeSinkAdapter:
         key = youtube_state_key(options.stream, options.lang)
@@ -199,7 +264,8 @@ class OutputsRunner:
                         self.undecodable += 1
                         metrics.UNDECODABLE.labels(component="outputs").inc()
                         continue
-                    await self._dispatch(by_key[key], seg)
+                    async with self._dispatching:
+                        await self._dispatch(by_key[key], seg)
 
     async def _dispatch(self, sinks: list[Sink], seg: CaptionSegment) -> None:
         for sink in sinks:
