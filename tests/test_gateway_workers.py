@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 import websockets
+from pydantic import ValidationError
 from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection, connect
 
+from orchestrator.config import GatewayConfig
 from orchestrator.gateway.publishers import lease_key
 from orchestrator.redis_server import free_port
 from workers.bus import RedisBus
@@ -268,3 +270,13 @@ async def test_one_publisher_per_push_stream_holds_across_workers(gateway: Gatew
             assert msg.get("code") == "publisher_busy", msg
         assert time.monotonic() < deadline, "the lease outlived its publisher"
         await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, "two", "3", True, 1.5])
+def test_workers_is_a_count_of_processes_or_auto(bad: object) -> None:
+    with pytest.raises(ValidationError) as exc:
+        GatewayConfig(workers=bad)
+    assert "workers is the number of gateway processes: an integer 1-64 or 'auto'" in str(
+        exc.value)
+    assert GatewayConfig(workers="auto").worker_count() >= 1
+    assert GatewayConfig().worker_count() == 1
