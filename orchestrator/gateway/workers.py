@@ -126,16 +126,27 @@ class GatewayWorkers:
         proc.stdin.write(self._payload)
         await proc.stdin.drain()
         proc.stdin.close()
-        try:
-            line = await asyncio.wait_for(proc.stdout.readline(), READY_TIMEOUT_S)
-        except TimeoutError:
-            line = b""
-        if line.strip() != b"ready":
+        if not await self._ready(proc.stdout):
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
             raise WorkerError(f"gateway worker {w.index} did not start (exit code "
                               f"{proc.returncode}; its log is above)")
+
+    @staticmethod
+    async def _ready(out: asyncio.StreamReader) -> bool:
+        """Whether the worker said `ready` in time (lines before it are skipped)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            try:
+                line = await asyncio.wait_for(out.readline(),
+                                              max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return False
+            if not line:  # it exited
+                return False
+            if line.strip() == b"ready":
+                return True
 
     async def run(self) -> None:
         """Restart workers that die, for as long as this runs."""
