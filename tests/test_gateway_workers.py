@@ -280,3 +280,16 @@ def test_workers_is_a_count_of_processes_or_auto(bad: object) -> None:
         exc.value)
     assert GatewayConfig(workers="auto").worker_count() >= 1
     assert GatewayConfig().worker_count() == 1
+
+
+def test_babelcast_gateway_needs_the_redis_url_of_the_run_it_serves(tmp_path: Path) -> None:
+    cfg = tmp_path / "event.yaml"
+    cfg.write_text("""
+event: no redis
+streams:
+  - {id: room, source: push, language: en}
+""")
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "gateway", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "set redis.url in the event file to that run's Redis" in done.stderr
