@@ -2,7 +2,8 @@
 Redis pub/sub round trips on the same server in the same run.
 
     python -m bench.delivery --json [--streams 200] [--clients 2000] [--seconds 30]
-                             [--repeat 1] [--plot FILE] [--profile-gateway FILE]
+                             [--gateway-workers N] [--repeat 1] [--plot FILE]
+                             [--profile-gateway FILE]
 
 It measures delivery, not recognition: no audio and no engine. A `ScriptedCaptionSource`
 per stream stands in for the ASR side and publishes, through `RedisBus.publish_caption`
@@ -13,7 +14,7 @@ so that their CPU is counted apart:
 - redis-server (`LocalRedisServer`);
 - the gateway: the real `create_app`, served by uvicorn with the config and process
   settings `babelcast run` uses, on plain asyncio as there (`--gateway-loop uvloop` to
-  compare);
+  compare); with `--gateway-workers N` (`gateway.workers`), N such processes on the port;
 - the publisher (every stream's scripted source, one Redis client);
 - `--client-procs` processes (aiohttp) holding the `--clients` caption WebSockets, client i
   on stream i mod N. Each connects with `since=0` before publishing starts, so it is owed
@@ -41,8 +42,12 @@ once nothing has come for `--drain` seconds, so a backlog shows as late, not los
   plus missing interims beyond what the policy dropped (the policy never drops finals);
   `duplicates`, `out_of_order`, `clients_failed`, `reconnects` should be 0;
   `setup_retries`: handshakes refused before the load (see `--connect-burst`);
-- `cpu_percent`: per process (100 = one core) over the load; `host_cpu_percent`: the
-  whole machine, other users included (100 × cores at most);
+- `cpu_percent`: per process (100 = one core) over the load, `gateway` summed over its
+  `gateway_workers` processes (`gateway_worker_cpu_percent`: each); `host_cpu_percent`:
+  the whole machine, other users included (100 × cores at most);
+- `deliveries_per_s_per_worker`: `delivered_per_s` / workers (a worker's capacity when the
+  gateway is saturated: its CPU near 100); `deliveries_per_gateway_cpu_s`: messages per
+  CPU-second the gateway processes used, which host load does not change;
 - `gateway_loop_lag_*`: how late a 5 ms sleep in the gateway's loop woke up;
   `gateway_gc_*`: its cyclic GC pauses; `publisher_lag_p99_ms`: how late the scripted
   source published against its schedule.
@@ -146,11 +151,14 @@ def _raise_nofile(need: int) -> None:
 
 
 def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int, loop: str,
-                  conn: Connection, admin_token: str) -> None:
+                  conn: Connection, admin_token: str, workers: int = 1) -> None:
     """The gateway as `babelcast run` builds it (orchestrator/run.py), alone in its process,
     on plain asyncio as there (or uvloop, to see what it would change). Beside it, two
     diagnostics that report after it stops: the cyclic GC's pauses and the event loop's
-    lag (how late a 5 ms sleep wakes up), each with its wall time."""
+    lag (how late a 5 ms sleep wakes up), each with its wall time. With `workers` > 1,
+    as `gateway.workers` makes `babelcast run` do: this process is worker 0 and starts the
+    others (orchestrator.gateway.workers) on the same port; the diagnostics are worker
+    0's, and the other workers' pids are sent first so that their CPU is counted."""
     import gc
 
     import uvicorn
@@ -180,7 +188,8 @@ def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                 lifespan="on")
     else:
-        config = gateway_config(app, "127.0.0.1", port, limits)
+        config = (gateway_config(app, "127.0.0.1", port, limits) if workers == 1 else
+                  gateway_config(app, "127.0.0.1", port, limits, worker=0))
     with contextlib.suppress(ImportError):
         from orchestrator.run import tune_gc  # type: ignore[attr-defined,unused-ignore]
 
@@ -205,10 +214,30 @@ def _gateway_main(redis_url: str, stream_ids: list[str], port: int, clients: int
 
     async def serve() -> None:
         watcher = asyncio.create_task(watch_lag())
+        others = None
         try:
-            await server.serve()
+            if workers == 1:
+                conn.send({"pids": []})
+                await server.serve()
+                return
+            from orchestrator.gateway.server import listen_socket
+            from orchestrator.gateway.workers import GatewayWorkers, WorkerSpec
+
+            sock = listen_socket("127.0.0.1", port, reuse_port=True)
+            task = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if task.done():
+                    break
+                await asyncio.sleep(0.05)
+            others = GatewayWorkers(WorkerSpec(redis_url, streams, "bench delivery", (),
+                                               security, None, "127.0.0.1", port), workers)
+            await others.start()
+            conn.send({"pids": list(others.pids.values())})
+            await task
         finally:
             watcher.cancel()
+            if others is not None:
+                await others.aclose()
 
     gc.callbacks.append(on_gc)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT that stops it
@@ -514,6 +543,29 @@ class Params:
     connect_burst: int = 10
     probe_rate: float | None = None
     profile_gateway: str | None = None
+    gateway_workers: int = 1
+
+
+def _read_counter_all_workers(base: str, admin_token: str, name: str,
+                              workers: int) -> float | None:
+    """The sum of a counter over every gateway worker: each process serves its own
+    /metrics, and which one answers is the kernel's pick per connection, so connect
+    afresh until every worker (its `X-Babelcast-Worker` header) has answered."""
+    import httpx
+
+    if workers == 1:
+        with httpx.Client(headers={"Authorization": f"Bearer {admin_token}"}) as http:
+            return _read_counter(http.get(f"{base}/metrics").text, name)
+    seen: dict[str, float | None] = {}
+    for _ in range(40 * workers):
+        with httpx.Client(headers={"Authorization": f"Bearer {admin_token}"}) as http:
+            r = http.get(f"{base}/metrics")
+        seen[r.headers.get("x-babelcast-worker", "?")] = _read_counter(r.text, name)
+        if len(seen) == workers:
+            break
+    if len(seen) < workers:
+        return None
+    return sum(v or 0.0 for v in seen.values())
 
 
 @contextlib.contextmanager
@@ -553,7 +605,8 @@ def run_once(prm: Params) -> dict[str, Any]:
             gw_conn, gw_theirs = ctx.Pipe()
             gateway = ctx.Process(target=_gateway_main, name="gateway",
                                   args=(redis_url, stream_ids, port, prm.clients,
-                                        prm.gateway_loop, gw_theirs, admin_token))
+                                        prm.gateway_loop, gw_theirs, admin_token,
+                                        prm.gateway_workers))
             gateway.start()
             gw_theirs.close()
             procs.append(gateway)
@@ -569,7 +622,11 @@ def run_once(prm: Params) -> dict[str, Any]:
                     if not gateway.is_alive() or time.monotonic() > deadline:
                         raise RuntimeError("the gateway did not start")
                     time.sleep(0.2)
-                drops_before = _read_counter(http.get("/metrics").text, SLOW_DROPS_METRIC)
+            if not gw_conn.poll(120):
+                raise RuntimeError("the gateway's workers did not start")
+            worker_pids: list[int] = gw_conn.recv()["pids"]
+            drops_before = _read_counter_all_workers(base, admin_token, SLOW_DROPS_METRIC,
+                                                     prm.gateway_workers)
 
             client_conns: list[Connection] = []
             for k in range(prm.client_procs):
@@ -616,21 +673,23 @@ def run_once(prm: Params) -> dict[str, Any]:
             if prm.profile_gateway:
                 profiler = _start_profiler(gateway.pid or 0, prm.seconds, prm.profile_gateway)
             watched: dict[str, list[int | None]] = {
-                "gateway": [gateway.pid], "publisher": [publisher.pid],
+                "gateway": [gateway.pid, *worker_pids], "publisher": [publisher.pid],
                 "redis_probe": [probe.pid], "redis_server": [redis_pid],
                 "clients": [p.pid for p in procs if p.name.startswith("clients")]}
             cpu0 = {k: sum(_cpu_s(p or 0) for p in v) for k, v in watched.items()}
+            gw_pids = watched["gateway"]
+            gw_cpu0 = [_cpu_s(p or 0) for p in gw_pids]
             host0, t0 = _host_ticks(), time.monotonic()
             published = pub_conn.recv()
             cpu1 = {k: sum(_cpu_s(p or 0) for p in v) for k, v in watched.items()}
+            gw_cpu1 = [_cpu_s(p or 0) for p in gw_pids]
             host1, t1 = _host_ticks(), time.monotonic()
             for c in client_conns:
                 c.send((prm.drain_s, prm.drain_max_s))
             got = [c.recv() for c in client_conns]
             drained = time.time() - load_end
-            with httpx.Client(base_url=base,
-                              headers={"Authorization": f"Bearer {admin_token}"}) as http:
-                drops_after = _read_counter(http.get("/metrics").text, SLOW_DROPS_METRIC)
+            drops_after = _read_counter_all_workers(base, admin_token, SLOW_DROPS_METRIC,
+                                                    prm.gateway_workers)
             probed = probe_conn.recv()
             stopping = time.monotonic()
             os.kill(gateway.pid or 0, signal.SIGINT)
@@ -673,6 +732,8 @@ def run_once(prm: Params) -> dict[str, Any]:
     lost = missing_finals + max(0, missing_interims - (dropped or 0))
     rtts = probed["rtt"]
     load_rtt = rtts[-1]
+    delivered_per_s = sum(1 for e, v in zip(emitted, lat, strict=True)
+                          if e + v <= load_end) / prm.seconds
     p99 = _pct_ms(all_lat, 0.99)
     rtt_p99 = _pct_ms(load_rtt, 0.99)
     result: dict[str, Any] = {
@@ -689,8 +750,7 @@ def run_once(prm: Params) -> dict[str, Any]:
         "published": sum(len(f) for f in finals.values()),
         "messages": len(all_lat),
         "offered_per_s": round(expected / prm.seconds),
-        "delivered_per_s": round(sum(1 for e, v in zip(emitted, lat, strict=True)
-                                     if e + v <= load_end) / prm.seconds),
+        "delivered_per_s": round(delivered_per_s),
         "latency_trend_ms_per_s": _trend_ms_per_s(emitted, lat, load_start),
         "expected": expected,
         "lost": lost, "missing_finals": missing_finals, "missing_interims": missing_interims,
@@ -701,6 +761,14 @@ def run_once(prm: Params) -> dict[str, Any]:
         "setup_retries": sum(p["setup_retries"] for p in got),
         "client_errors": sorted({e for p in got for e in p["errors"]}),
         "cpu_percent": {k: round(100 * (cpu1[k] - cpu0[k]) / wall, 1) for k in cpu0},
+        "gateway_workers": prm.gateway_workers,
+        "gateway_worker_cpu_percent": [round(100 * (b - a) / wall, 1)
+                                       for a, b in zip(gw_cpu0, gw_cpu1, strict=True)],
+        # Deliveries by the load's end, per worker process; and per CPU-second the
+        # gateway processes used, which does not depend on how busy the host was.
+        "deliveries_per_s_per_worker": round(delivered_per_s / prm.gateway_workers),
+        "deliveries_per_gateway_cpu_s": round(delivered_per_s * wall / max(
+            1e-9, cpu1["gateway"] - cpu0["gateway"])),
         "host_cpu_percent": round(100 * (os.cpu_count() or 1) * (host1[0] - host0[0]) /
                                   max(1, host1[1] - host0[1]), 1),
         "cores": os.cpu_count(),
@@ -806,6 +874,13 @@ def plot(path: str, runs: list[dict[str, Any]], prm: Params) -> None:
     fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
+def _workers(asked: int | None) -> int:
+    from orchestrator.config import GatewayConfig
+
+    cfg = GatewayConfig() if asked is None else GatewayConfig(workers=asked)  # its checks
+    return cfg.worker_count()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=200)
@@ -820,6 +895,9 @@ def main() -> int:
                     help="after the last publication, the clients stop once nothing came for "
                          "this long (at most --drain-max seconds)")
     ap.add_argument("--drain-max", type=float, default=120.0)
+    ap.add_argument("--gateway-workers", type=int, default=None,
+                    help="gateway processes on the port (gateway.workers; default: what "
+                         "`babelcast run` uses by default)")
     ap.add_argument("--gateway-loop", default="asyncio", choices=["asyncio", "uvloop"],
                     help="the gateway's event loop (`babelcast run` uses asyncio)")
     ap.add_argument("--no-deflate", dest="deflate", action="store_false",
@@ -839,7 +917,7 @@ def main() -> int:
     prm = Params(args.streams, args.clients, args.seconds, args.rate, args.final_every,
                  max(1, min(args.client_procs, args.clients)), args.idle_probe, args.drain,
                  args.drain_max, args.gateway_loop, args.deflate, args.connect_burst,
-                 args.probe_rate, args.profile_gateway)
+                 args.probe_rate, args.profile_gateway, _workers(args.gateway_workers))
     runs = [run_once(prm) for _ in range(max(1, args.repeat))]
     if args.plot:
         plot(args.plot, runs, prm)
@@ -851,7 +929,8 @@ def main() -> int:
         result["repeat"] = len(runs)
         result["runs"] = [{k: r[k] for k in ("p50_ms", "p99_ms", "redis_rtt_p99_ms",
                                              "ratio_p99", "lost", "interims_dropped",
-                                             "cpu_percent", "host_cpu_percent")} for r in runs]
+                                             "cpu_percent", "gateway_worker_cpu_percent",
+                                             "host_cpu_percent")} for r in runs]
     emit(result, args.json)
     return 0
 

@@ -2,6 +2,7 @@
 
     babelcast validate FILE          exit 0, or 2 with file:line: key: message lines
     babelcast run FILE [--duration S] [--plain]
+    babelcast gateway FILE           only the gateway, against the redis.url a run publishes to
     babelcast tail STREAM [--lang xx] [--since N] [--url http://127.0.0.1:8000]
     babelcast status [--url http://127.0.0.1:8000] [--json] [--watch S]
     babelcast export STREAM [--lang xx] [--format vtt|srt] [-o FILE] [--url URL | --redis URL]
@@ -57,6 +58,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from orchestrator.run import run_event
 
     return asyncio.run(run_event(cfg, duration_s=args.duration, plain=args.plain))
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    cfg = _load_or_exit(args.file)
+    from orchestrator.run import run_gateway
+
+    return asyncio.run(run_gateway(cfg))
 
 
 # Close codes a gateway sends when it stops: uvicorn says 1012 (service restart) at
@@ -414,6 +422,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--plain", action="store_true",
                    help="print status lines instead of the live terminal view")
     r.set_defaults(func=cmd_run)
+    g = sub.add_parser("gateway", help="serve only the gateway (gateway.workers processes) "
+                                       "against the event's redis.url, e.g. behind a load "
+                                       "balancer on other machines")
+    g.add_argument("file")
+    g.set_defaults(func=cmd_gateway)
     t = sub.add_parser("tail", help="print a stream's captions as a client")
     t.add_argument("stream")
     t.add_argument("--lang", default=None)

@@ -427,7 +427,35 @@ class GatewayConfig(_Strict):
         description="web origins (scheme://host[:port]) whose pages may open WebSockets "
                     "besides the gateway's own; '*' allows any")
     limits: LimitsConfig = Field(default_factory=LimitsConfig,
-                                 description="bounds on connections, audio and queues")
+                                 description="bounds on connections, audio and queues "
+                                             "(the connection caps hold per worker)")
+    workers: int | Literal["auto"] = Field(
+        default=1,
+        description="gateway processes serving the port (SO_REUSEPORT), 1-64; 'auto': one "
+                    "per core, at most 16. 1 serves from the run's own process, as "
+                    "/metrics then covers everything; see README, Gateway workers")
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: object) -> object:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_GATEWAY_WORKERS:
+            raise _fail(f"workers is the number of gateway processes: an integer 1-"
+                        f"{MAX_GATEWAY_WORKERS} or 'auto' (one per core), not {v!r}")
+        return v
+
+    def worker_count(self) -> int:
+        """`workers` as a number: 'auto' is the cores this process may use, at most 16."""
+        if self.workers != "auto":
+            return self.workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        return max(1, min(AUTO_GATEWAY_WORKERS_MAX, cores))
+
+
+MAX_GATEWAY_WORKERS = 64
+AUTO_GATEWAY_WORKERS_MAX = 16
 
 
 def _split_source(source: str) -> tuple[SourceKind, str]:

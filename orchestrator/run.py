@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import socket
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
@@ -24,7 +24,9 @@ from orchestrator.gateway.auth import Authenticator, GatewaySecrets, SecretsErro
 from orchestrator.gateway.hub import CaptionHub
 from orchestrator.gateway.local_credentials import LocalCredentials
 from orchestrator.gateway.security_config import LimitsConfig
-from orchestrator.gateway.server import uvicorn_config
+from orchestrator.gateway.server import listen_socket, uvicorn_config
+from orchestrator.gateway.server import tune_gc as tune_gc  # bench.delivery imports it here
+from orchestrator.gateway.workers import GatewayWorkers, WorkerError, WorkerSpec
 from orchestrator.lifecycle import mark_run, start_reaper
 from orchestrator.live import LiveView
 from orchestrator.outputs.config import hls_options, start_outputs
@@ -44,9 +46,9 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-async def _serve(server: uvicorn.Server) -> None:
+async def _serve(server: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
     with contextlib.suppress(SystemExit):  # uvicorn exits on a bind failure; we report it
-        await server.serve()
+        await server.serve(sockets=sockets)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -62,9 +64,10 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def gateway_config(app: FastAPI, host: str, port: int,
-                   limits: LimitsConfig | None = None) -> uvicorn.Config:
+                   limits: LimitsConfig | None = None, *,
+                   worker: int | None = None) -> uvicorn.Config:
     """How `babelcast run` serves the gateway (see orchestrator.gateway.server)."""
-    return uvicorn_config(app, host, port, limits)
+    return uvicorn_config(app, host, port, limits, worker=worker)
 
 
 def gateway_security(cfg: EventConfig) -> GatewaySecurity:
@@ -83,18 +86,80 @@ def gateway_security(cfg: EventConfig) -> GatewaySecurity:
                            cfg.gateway.limits)
 
 
-def tune_gc() -> None:
-    """Young collections far less often. The gateway allocates per caption and client, and
-    with the default thresholds (700, 10, 10) what a busy second had in flight survived into
-    the old generation fast enough for a full collection every 3 s, walking every
-    connection's objects: at 2,000 clients 15 % of the gateway's CPU and 0.2-0.3 s pauses,
-    which set the p99 of delivery (bench.delivery)."""
-    gc.set_threshold(50_000, 20, 10)
-
-
 def gateway_streams(cfg: EventConfig) -> list[GatewayStream]:
     return [GatewayStream(stream_options(s, cfg.translation), s.source_kind)
             for s in cfg.streams]
+
+
+@dataclass
+class ServedGateway:
+    """The gateway of a run: worker 0 served in this loop (`app`, whose `state.hub` the
+    epoch guard reads) and, with `gateway.workers` > 1, the other worker processes."""
+
+    app: FastAPI
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+    workers: GatewayWorkers | None = None
+    keeper: asyncio.Task[None] | None = None
+
+    async def aclose(self) -> None:
+        if self.keeper is not None:
+            self.keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.keeper
+        self.server.should_exit = True
+        if self.workers is not None:
+            await self.workers.aclose()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.task, 10)
+
+
+async def serve_gateway(cfg: EventConfig, redis_url: str,
+                        security: GatewaySecurity) -> ServedGateway | None:
+    """Start the event's gateway: `gateway.workers` processes on one port, this one
+    first. None (and the reason logged) when it cannot listen."""
+    host, count = cfg.gateway.host, cfg.gateway.worker_count()
+    hls = hls_options(cfg.outputs)
+    streams = gateway_streams(cfg)
+    profiles = (cfg.engine.model,)
+    app = create_app(redis_url, streams, cfg.event, profiles, hls=hls, security=security)
+    sockets: list[socket.socket] | None = None
+    if count == 1:
+        port = cfg.gateway.port or free_port(host)
+    else:
+        try:
+            sock = listen_socket(host, cfg.gateway.port, reuse_port=True)
+        except OSError as exc:
+            log.error("gateway could not listen on %s:%s (%s); set gateway.port", host,
+                      cfg.gateway.port, exc.strerror or exc)
+            return None
+        sockets, port = [sock], sock.getsockname()[1]
+    server = _EmbeddedServer(gateway_config(app, host, port, cfg.gateway.limits,
+                                            worker=None if count == 1 else 0))
+    tune_gc()
+    task = asyncio.create_task(_serve(server, sockets), name="gateway")
+    while not server.started:
+        if task.done():
+            log.error("gateway could not listen on %s:%s (port in use?); set gateway.port",
+                      host, port)
+            return None
+        await asyncio.sleep(0.05)
+    served = ServedGateway(app, server, task, port)
+    if count > 1:
+        served.workers = GatewayWorkers(
+            WorkerSpec(redis_url, streams, cfg.event, profiles, security, hls, host, port),
+            count)
+        try:
+            await served.workers.start()
+        except WorkerError as exc:
+            log.error("%s", exc)
+            served.workers = None
+            await served.aclose()
+            return None
+        served.keeper = asyncio.create_task(served.workers.run(), name="gateway-workers")
+        log.info("gateway: %d worker processes on %s:%s", count, host, port)
+    return served
 
 
 async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
@@ -129,18 +194,10 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
                                                   name="redis-child"))
         async with Redis.from_url(redis_url) as fresh:  # before a gateway reads it
             await publish_streams(fresh, cfg)
-        port = cfg.gateway.port or free_port(cfg.gateway.host)
-        app = create_app(redis_url, gateway_streams(cfg), cfg.event, (cfg.engine.model,),
-                         hls=hls_options(cfg.outputs), security=security)
-        server = _EmbeddedServer(gateway_config(app, cfg.gateway.host, port, cfg.gateway.limits))
-        tune_gc()
-        gateway = asyncio.create_task(_serve(server), name="gateway")
-        while not server.started:
-            if gateway.done():
-                log.error("gateway could not listen on %s:%s (port in use?); set gateway.port",
-                          cfg.gateway.host, port)
-                return 2
-            await asyncio.sleep(0.05)
+        gateway = await serve_gateway(cfg, redis_url, security)
+        if gateway is None:
+            return 2
+        app, port = gateway.app, gateway.port
         base = f"http://{cfg.gateway.host}:{port}"
         redis = Redis.from_url(redis_url)
         hub: CaptionHub = app.state.hub
@@ -182,9 +239,7 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
                 await task
         await runtime.stop()
         await outputs.aclose()  # archives closed, YouTube given a moment to drain
-        server.should_exit = True
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(gateway, 10)
+        await gateway.aclose()
         await redis.aclose()
     finally:
         for task in background:
@@ -196,3 +251,47 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         runtime.stop_services()
     return 0
 
+
+
+async def run_gateway(cfg: EventConfig) -> int:
+    """`babelcast gateway`: only the event's gateway (its `gateway.workers` processes),
+    against `redis.url`, until Ctrl-C; a `babelcast run` elsewhere publishes there."""
+    if cfg.redis.url is None:
+        log.error("babelcast gateway serves a run that publishes to Redis elsewhere: set "
+                  "redis.url in the event file to that run's Redis")
+        return 2
+    if cfg.gateway.port and not _port_free(cfg.gateway.host, cfg.gateway.port):
+        log.error("gateway port %s:%s is in use; stop what uses it or set gateway.port",
+                  cfg.gateway.host, cfg.gateway.port)
+        return 2
+    try:
+        security = gateway_security(cfg)
+    except SecretsError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    gateway = await serve_gateway(cfg, cfg.redis.url, security)
+    if gateway is None:
+        return 2
+    base = f"http://{cfg.gateway.host}:{gateway.port}"
+    local = cfg.auth is None
+    if local:
+        auth = security.auth
+        viewer = None if auth.viewers_public else auth.mint_viewer(subject="gateway")
+        path = LocalCredentials(base, auth.secrets.admin, viewer,
+                                dict(auth.secrets.publish)).write()
+        log.warning("no auth section: this gateway's tokens are in %s (readable by you "
+                    "only)", path)
+    print(f"gateway of {cfg.event!r} on {base} ({cfg.gateway.worker_count()} worker "
+          "process(es)); Ctrl-C stops it", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await gateway.aclose()
+        if local:
+            LocalCredentials.remove(base)
+    return 0

@@ -65,11 +65,15 @@ class GatewayContext:
         return self.clocks[stream_id]
 
     async def ensure_clock(self, stream_id: str) -> AudioClock:
-        if stream_id not in self.clocks:
-            pos, wall = await self.bus.last_audio_end(stream_id)
-            self.clocks[stream_id] = AudioClock(stream_id, pos, last_wall=wall,
-                                                reason="push-reconnected")
-        return self.clocks[stream_id]
+        """The stream's clock for a new publisher. Read from Redis when this process has
+        none, or when the stream's audio went past this process's clock: the publisher
+        pushed through another gateway worker (or machine) meanwhile."""
+        pos, wall = await self.bus.last_audio_end(stream_id)
+        clock = self.clocks.get(stream_id)
+        if clock is None or pos > clock.pos:
+            clock = self.clocks[stream_id] = AudioClock(stream_id, pos, last_wall=wall,
+                                                        reason="push-reconnected")
+        return clock
 
     def accepts(self, model: str) -> bool:
         return len(self.engine_profiles) <= 1 or model in self.engine_profiles

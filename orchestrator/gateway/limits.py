@@ -64,7 +64,9 @@ class CapExceeded(Exception):
 @dataclass
 class ConnectionCaps:
     """Counts of open WebSockets: per client address, caption viewers per stream, and the
-    one publisher each push stream may have."""
+    one publisher each push stream may have. Per gateway process: with `gateway.workers:
+    N` the port holds up to N times each cap (the one-publisher rule also holds across
+    processes, through a lease in Redis: `publishers`)."""
 
     max_per_ip: int
     max_viewers_per_stream: int

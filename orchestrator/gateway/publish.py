@@ -2,7 +2,8 @@
 `/v1/streams/{id}/audio`, and vLLM's realtime protocol on `/v1/realtime?stream=ID`.
 
 Both need the stream's publish token, and a stream has one publisher at a time (a
-second connection is refused with 4409 `publisher_busy`). Audio is paced against the
+second connection is refused with 4409 `publisher_busy`), held in this process and, for
+other gateway workers and machines, as a lease in Redis (`publishers`). Audio is paced against the
 wall clock (`limits.AudioPacer`): past 1.5 × real time beyond a burst allowance the
 publisher gets `rate_limited` and close 1008, and nobody else notices. While Redis is
 away a frame is held for up to `REDIS_HOLD_S` (the publisher's own socket backs up
@@ -29,6 +30,7 @@ from orchestrator.gateway.access import (
 )
 from orchestrator.gateway.context import GatewayContext, GatewayStream
 from orchestrator.gateway.limits import AudioPacer, CapExceeded, RateLimited
+from orchestrator.gateway.publishers import PublisherLease
 from orchestrator.gateway.realtime import RealtimeConnection, RealtimeLimits
 from orchestrator.gateway.realtime_protocol import error_event
 from workers.bus import RETRYABLE
@@ -52,8 +54,12 @@ async def _refuse_early(ws: WebSocket, ctx: GatewayContext, code: str, message: 
         await ws.close(code=close_code)
 
 
+BUSY = ("publisher_busy", "stream {!r} already has a publisher; one connection pushes a "
+        "stream at a time (a dropped one frees its place within the ping timeout)")
+
+
 async def _admit_publisher(ctx: GatewayContext, ws: WebSocket, stream_id: str
-                           ) -> Admitted | None:
+                           ) -> tuple[Admitted, PublisherLease] | None:
     admitted = await ctx.access.websocket(ws, can_publish(stream_id),
                                           f"pushing audio to {stream_id!r}")
     if admitted is None:
@@ -65,7 +71,25 @@ async def _admit_publisher(ctx: GatewayContext, ws: WebSocket, stream_id: str
         ctx.access.release(admitted)
         await Access.refuse(ws, exc.code, str(exc), 4409)
         return None
-    return admitted
+
+    async def lost() -> None:
+        await Access.refuse(ws, BUSY[0], BUSY[1].format(stream_id), 4409)
+
+    # Another gateway process (a worker, another machine) may hold the stream.
+    lease = PublisherLease(ctx.redis, stream_id, lost)
+    try:
+        claimed = await lease.claim()
+    except RETRYABLE:
+        _release_publisher(ctx, admitted, stream_id)
+        metrics.GATEWAY_REFUSALS.labels(refusal="unavailable").inc()
+        await Access.refuse(ws, "unavailable", "Redis is unavailable; retry", TRY_AGAIN_LATER)
+        return None
+    if not claimed:
+        _release_publisher(ctx, admitted, stream_id)
+        metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
+        await Access.refuse(ws, BUSY[0], BUSY[1].format(stream_id), 4409)
+        return None
+    return admitted, lease
 
 
 def _release_publisher(ctx: GatewayContext, admitted: Admitted, stream_id: str) -> None:
@@ -106,12 +130,14 @@ async def push_audio_ws(ctx: GatewayContext, ws: WebSocket, stream_id: str) -> N
         await _refuse_early(ws, ctx, "not_push",
                             f"stream {stream_id!r} does not declare `source: push`", 4404)
         return
-    admitted = await _admit_publisher(ctx, ws, stream_id)
-    if admitted is None:
+    claim = await _admit_publisher(ctx, ws, stream_id)
+    if claim is None:
         return
+    admitted, lease = claim
     try:
         await _push_loop(ctx, ws, stream_id)
     finally:
+        await lease.release()
         _release_publisher(ctx, admitted, stream_id)
 
 
@@ -169,9 +195,10 @@ async def realtime_ws(ctx: GatewayContext, ws: WebSocket) -> None:
                             "connect to /v1/realtime?stream=ID where ID is a stream with "
                             f"`source: push` (push streams: {push_ids})", 4404, realtime=True)
         return
-    admitted = await _admit_publisher(ctx, ws, stream_id)
-    if admitted is None:
+    claim = await _admit_publisher(ctx, ws, stream_id)
+    if claim is None:
         return
+    admitted, lease = claim
     try:
         try:
             await ctx.ensure_clock(stream_id)
@@ -208,4 +235,5 @@ async def realtime_ws(ctx: GatewayContext, ws: WebSocket) -> None:
                 await ws.close(code=TRY_AGAIN_LATER)
         await _set_source(ctx, stream_id, "waiting")
     finally:
+        await lease.release()
         _release_publisher(ctx, admitted, stream_id)

@@ -90,7 +90,9 @@ class AuthConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
-    """Bounds on every network input; past one the client gets a clear error."""
+    """Bounds on every network input; past one the client gets a clear error. The
+    connection caps hold per gateway process: with `gateway.workers: N` the port takes up
+    to N times `max_connections`, `max_ws_per_ip` and `max_viewers_per_stream`."""
 
     push_rate: float = Field(
         default=1.5, ge=1.0, le=20.0,
@@ -111,11 +113,13 @@ class LimitsConfig(_Strict):
         description="a connection that has not sent its request headers by then is closed")
     max_connections: int = Field(
         default=4_096, ge=16,
-        description="open connections the gateway serves; past it: HTTP 503")
+        description="open connections one gateway worker serves; past it: HTTP 503")
     max_ws_per_ip: int = Field(
-        default=256, ge=1, description="WebSockets one client address may hold open")
+        default=256, ge=1, description="WebSockets one client address may hold open on one "
+                                       "gateway worker")
     max_viewers_per_stream: int = Field(
-        default=2_000, ge=1, description="caption WebSockets of one stream (all languages)")
+        default=2_000, ge=1, description="caption WebSockets of one stream (all languages) "
+                                         "on one gateway worker")
     client_finals_max: int = Field(
         default=1_000, ge=16,
         description="finals queued for one slow caption client before it is closed with "

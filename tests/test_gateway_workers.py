@@ -1,0 +1,295 @@
+"""Several gateway processes on one port (`gateway.workers`), as `babelcast gateway`
+starts them: real processes, a real redis-server, real WebSocket clients. Captions are
+published into Redis as an ASR actor publishes them (XADD + PUBLISH); the gateway alone
+delivers them, so these tests need no Ray and no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import websockets
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from websockets.asyncio.client import ClientConnection, connect
+
+from orchestrator.config import GatewayConfig
+from orchestrator.gateway.publishers import lease_key
+from orchestrator.redis_server import free_port
+from workers.bus import RedisBus
+from workers.events import CaptionSegment
+
+pytestmark = pytest.mark.integration
+
+ADMIN, PUBLISH = "admin-" + "a" * 32, "publish-" + "p" * 32
+WORKER = "x-babelcast-worker"
+RECV_S = 10.0
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log: Path
+
+    @property
+    def ws(self) -> str:
+        return self.base.replace("http://", "ws://")
+
+    def worker_pids(self) -> set[int]:
+        pids: set[int] = set()
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            with (task / "children").open() as f:
+                pids |= {int(p) for p in f.read().split()}
+        return pids
+
+
+@pytest.fixture
+def gateway(redis_url: str, tmp_path: Path) -> Iterator[Gateway]:
+    port = free_port()
+    cfg = tmp_path / "event.yaml"
+    cfg.write_text(f"""
+event: workers
+redis: {{url: "{redis_url}"}}
+streams:
+  - {{id: room, source: push, language: en}}
+auth:
+  admin_token_env: T_ADMIN
+  publish_token_env: {{room: T_PUBLISH}}
+  viewers: public
+gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
+""")
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "gateway", str(cfg)], stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "T_ADMIN": ADMIN, "T_PUBLISH": PUBLISH,
+                 "PYTHONUNBUFFERED": "1"})
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 60
+    # `print`ed once worker 0 listens and every other worker said it is ready.
+    while b"Ctrl-C stops it" not in log.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"babelcast gateway did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    try:
+        yield gw
+    finally:
+        workers = gw.worker_pids() if proc.poll() is None else set()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("babelcast gateway did not stop on SIGINT")
+        assert proc.returncode == 0, log.read_text()[-3000:]
+        assert not [p for p in workers if Path(f"/proc/{p}").exists()
+                    and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]], \
+            "a gateway worker outlived its parent"
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+def caption(seq: int) -> CaptionSegment:
+    now = time.time()
+    final = seq % 5 == 0
+    return CaptionSegment(stream="room", lang="en", segment_id=(seq - 1) // 5, seq=seq,
+                          revision=(seq - 1) % 5, is_final=final, text=f"words {seq}",
+                          stable_prefix_len=0, lines=(f"words {seq}",),
+                          audio_start_s=0.0, audio_end_s=seq * 0.1, audio_end_wall=now,
+                          emit_time=now)
+
+
+async def publish(redis: Redis, first: int, last: int, per_s: float) -> None:
+    bus = RedisBus(redis)
+    for seq in range(first, last + 1):
+        await bus.publish_caption(caption(seq))
+        await asyncio.sleep(1 / per_s)
+
+
+@dataclass
+class Viewer:
+    """A caption client that resumes with `since` after a drop, as the overlay does."""
+
+    worker: str = ""
+    seqs: list[int] = field(default_factory=list)
+    workers_seen: list[str] = field(default_factory=list)
+    reconnects: int = 0
+
+
+async def open_viewer(gw: Gateway, since: int) -> tuple[ClientConnection, str]:
+    ws = await connect(f"{gw.ws}/v1/streams/room/captions?lang=en&since={since}",
+                       open_timeout=RECV_S)
+    assert ws.response is not None
+    return ws, ws.response.headers[WORKER]
+
+
+async def viewers_on_both_workers(gw: Gateway, each: int
+                                  ) -> list[tuple[Viewer, ClientConnection]]:
+    """Connect until `each` clients are on each worker (the kernel spreads connections
+    by their address hash, so a few more connections than 2 × each are made)."""
+    by_worker: dict[str, list[tuple[Viewer, ClientConnection]]] = {"0": [], "1": []}
+    extra: list[ClientConnection] = []
+    for _ in range(40):
+        if all(len(v) >= each for v in by_worker.values()):
+            break
+        ws, worker = await open_viewer(gw, 0)
+        if len(by_worker[worker]) >= each:
+            extra.append(ws)
+            continue
+        by_worker[worker].append((Viewer(worker, workers_seen=[worker]), ws))
+    for ws in extra:
+        await ws.close()
+    assert all(len(v) >= each for v in by_worker.values()), \
+        {k: len(v) for k, v in by_worker.items()}
+    return [pair for pairs in by_worker.values() for pair in pairs]
+
+
+async def follow(gw: Gateway, viewer: Viewer, ws: ClientConnection, last_seq: int) -> None:
+    """Read captions until `last_seq`; after a drop, reconnect with since=the last seq."""
+    while True:
+        try:
+            while not viewer.seqs or viewer.seqs[-1] < last_seq:
+                msg = json.loads(await asyncio.wait_for(ws.recv(), RECV_S))
+                assert msg["type"] == "caption", msg
+                viewer.seqs.append(msg["seq"])
+            await ws.close()
+            return
+        except (websockets.ConnectionClosed, OSError):
+            viewer.reconnects += 1
+            since = viewer.seqs[-1] if viewer.seqs else 0
+            for _ in range(50):
+                try:
+                    ws, worker = await open_viewer(gw, since)
+                except (OSError, websockets.InvalidHandshake, TimeoutError):
+                    await asyncio.sleep(0.1)  # the port is shared: the next try lands live
+                    continue
+                viewer.workers_seen.append(worker)
+                break
+            else:
+                pytest.fail("no worker took the reconnect")
+
+
+async def test_two_workers_on_one_port_deliver_every_caption_once_to_each_client(
+        gateway: Gateway, redis: Redis) -> None:
+    pairs = await viewers_on_both_workers(gateway, 2)
+    readers = [asyncio.create_task(follow(gateway, v, ws, 60)) for v, ws in pairs]
+    await publish(redis, 1, 60, per_s=200)
+    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    for viewer, _ in pairs:
+        assert viewer.seqs == list(range(1, 61)), (viewer.worker, viewer.seqs)
+        assert viewer.reconnects == 0
+
+
+async def test_a_killed_worker_s_clients_resume_with_since_and_it_is_started_again(
+        gateway: Gateway, redis: Redis) -> None:
+    pairs = await viewers_on_both_workers(gateway, 2)
+    before = gateway.worker_pids()
+    assert len(before) == 1, before  # worker 0 is the `babelcast gateway` process itself
+    (victim,) = before
+    last = 300
+    readers = [asyncio.create_task(follow(gateway, v, ws, last)) for v, ws in pairs]
+    publisher = asyncio.create_task(publish(redis, 1, last, per_s=150))
+    await asyncio.sleep(0.6)  # mid-stream: ~90 captions out, ~210 to come
+    os.kill(victim, signal.SIGKILL)
+    await asyncio.wait_for(publisher, 30)
+    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    for viewer, _ in pairs:
+        assert viewer.seqs == list(range(1, last + 1)), (viewer.worker, viewer.seqs)
+    killed = [v for v, _ in pairs if v.worker == "1"]
+    assert all(v.reconnects >= 1 for v in killed), [v.reconnects for v, _ in pairs]
+    assert all(v.reconnects == 0 for v, _ in pairs if v.worker == "0")
+    # The parent starts worker 1 again: a new process, taking connections on the port.
+    deadline = time.monotonic() + 20
+    while not (gateway.worker_pids() - before):
+        assert time.monotonic() < deadline, "the killed worker was not started again"
+        await asyncio.sleep(0.2)
+    seen = set()
+    for _ in range(30):
+        ws, worker = await open_viewer(gateway, 0)
+        await ws.close()
+        seen.add(worker)
+        if seen == {"0", "1"}:
+            break
+    assert seen == {"0", "1"}
+    assert "gateway worker 1" in gateway.log.read_text()
+
+
+async def test_one_publisher_per_push_stream_holds_across_workers(gateway: Gateway,
+                                                                  redis: Redis) -> None:
+    headers = {"Authorization": f"Bearer {PUBLISH}"}
+    url = f"{gateway.ws}/v1/streams/room/audio"
+    async with connect(url, additional_headers=headers, open_timeout=RECV_S) as first:
+        assert first.response is not None
+        holder = first.response.headers[WORKER]
+        await first.send(b"\0\0" * 1600)
+        # The handshake completes before the gateway claims the stream: wait for the claim.
+        deadline = time.monotonic() + RECV_S
+        while not await redis.exists(lease_key("room")):
+            assert time.monotonic() < deadline, "the first publisher holds no lease"
+            await asyncio.sleep(0.05)
+        refused_by: set[str] = set()
+        for _ in range(30):
+            async with connect(url, additional_headers=headers,
+                               open_timeout=RECV_S) as second:
+                assert second.response is not None
+                msg = json.loads(await asyncio.wait_for(second.recv(), RECV_S))
+                assert msg["code"] == "publisher_busy", msg
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(second.recv(), RECV_S)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 4409
+                refused_by.add(second.response.headers[WORKER])
+            if refused_by == {"0", "1"}:
+                break
+        assert refused_by == {"0", "1"}, (holder, refused_by)
+    # Closed: its lease is given back (not left to expire), so another publisher is
+    # taken within moments, whichever worker it lands on.
+    deadline = time.monotonic() + 5
+    while True:
+        async with connect(url, additional_headers=headers, open_timeout=RECV_S) as again:
+            try:
+                msg = json.loads(await asyncio.wait_for(again.recv(), 1.0))
+            except TimeoutError:
+                return  # taken: a refusal comes at once, a publisher is told nothing
+            assert msg.get("code") == "publisher_busy", msg
+        assert time.monotonic() < deadline, "the lease outlived its publisher"
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, "two", "3", True, 1.5])
+def test_workers_is_a_count_of_processes_or_auto(bad: object) -> None:
+    with pytest.raises(ValidationError) as exc:
+        GatewayConfig(workers=bad)
+    assert "workers is the number of gateway processes: an integer 1-64 or 'auto'" in str(
+        exc.value)
+    assert GatewayConfig(workers="auto").worker_count() >= 1
+    assert GatewayConfig().worker_count() == 1
+
+
+def test_babelcast_gateway_needs_the_redis_url_of_the_run_it_serves(tmp_path: Path) -> None:
+    cfg = tmp_path / "event.yaml"
+    cfg.write_text("""
+event: no redis
+streams:
+  - {id: room, source: push, language: en}
+""")
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli", "gateway", str(cfg)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "set redis.url in the event file to that run's Redis" in done.stderr
