@@ -540,7 +540,9 @@ class EventRuntime:
             self.redis_url = self._redis_child.start()
         if not ray.is_initialized():
             ray.init(
-                address=self.cfg.ray.address,
+                # "local": a Ray of this run's own. Without it, ray.init joins whatever Ray
+                # was started last on this machine (another event's, a test's).
+                address=self.cfg.ray.address or "local",
                 num_cpus=self.cfg.ray.num_cpus,
                 namespace=ray_namespace(self.cfg.event),
                 include_dashboard=False,
