@@ -39,8 +39,8 @@ Like production:
   re-anchor; its sessions end at max_model_len), so it is measured on new sessions only.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -x2 pair,
   so two engines share the GPU's memory as `engines_per_gpu: 2` would.
-- `--max-model-len 131072`: the engine's production default (re-anchoring keeps sessions
-  below it).
+- `--max-model-len 16384`: the engine's production default (re-anchoring keeps sessions
+  below it; 131072 needs 141 GiB of KV cache on vLLM 0.26 and does not start).
 - `--profile-dir D --profile-level N`: py-spy (67 Hz, raw) on every front end taking part
   and its children during each phase at level N; `profiles` gives each process's share and
   the top leaf frames.

@@ -12,6 +12,16 @@ can use (its `cpu_threads`, at most the host's cores shared among the actors):
 | tiny.en | 6 streams | 3.0 |
 
 An operator who measures a bigger machine sets `engine.streams_per_actor` in the event file.
+
+The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes `VLLM_STREAMS_PER_ACTOR`, the knee
+of `bench.voxtral_capacity` for sessions aged 30 minutes on an H200 (16-core Xeon host,
+2026-12-01): two engines on the GPU (`engines_per_gpu: 2`, each 0.425 of its memory,
+`max_model_len` 16384, re-anchoring every 4096) held 24 aged sessions in real time and
+could not hold 48 (their KV cache, 42,834 positions per engine at ~1.1 MiB each, ran
+out while ageing). New sessions fed as an actor feeds them reach 72 per GPU on the same
+host (36 per engine), so the aged knee, 12 per engine, is the budget. An engine that has
+the whole GPU (`engines_per_gpu: 1`) has about twice the KV cache; it is given the same
+budget until its own aged knee is measured.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import math
 import os
 
 REALTIME_STREAMS_PER_CORE = {"whisper-base": 1.5, "tiny.en": 3.0}
+VLLM_STREAMS_PER_ACTOR = 12
 
 
 def default_streams_per_actor(model: str, cpu_threads: int, actors: int,

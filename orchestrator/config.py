@@ -170,8 +170,13 @@ class SessionConfig(_Strict):
 class VllmConfig(_Strict):
     """AsyncLLM settings of the vllm engine (see VLLM.md); one engine per GPU actor."""
 
-    max_model_len: int = Field(default=131072, ge=256,
-                               description="positions per session (× 80 ms = session cap)")
+    max_model_len: int = Field(
+        default=16384, ge=256,
+        description="positions per session (× 80 ms = session cap without re-anchoring). "
+                    "vLLM 0.26 reserves KV cache for one whole max_model_len request at "
+                    "~1.1 MiB per position (the encoder's cache counts 4 frames per "
+                    "position): 131072 needs 141 GiB and does not start on an H200; "
+                    "re-anchoring keeps sessions within 16384")
     gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1,
                                           description="share of GPU memory vLLM may take")
     engines_per_gpu: int = Field(
@@ -261,8 +266,8 @@ class EngineConfig(_Strict):
     streams_per_actor: int = Field(
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "
-                    "host's cores sustain in real time for the model (orchestrator/capacity.py), "
-                    "other engines 4")
+                    "host's cores sustain in real time for the model, vllm its measured knee "
+                    "for sessions aged 30 min (12; orchestrator/capacity.py), other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
@@ -281,9 +286,11 @@ class EngineConfig(_Strict):
     def _default_streams(cls, data: Any) -> Any:
         # Measured per model and core (orchestrator/capacity.py): never past the knee.
         if isinstance(data, dict) and data.get("streams_per_actor") is None:
-            from orchestrator.capacity import default_streams_per_actor
+            from orchestrator.capacity import VLLM_STREAMS_PER_ACTOR, default_streams_per_actor
 
-            if data.get("kind", "embedded") == "embedded":
+            if data.get("kind") == "vllm":
+                data = {**data, "streams_per_actor": VLLM_STREAMS_PER_ACTOR}
+            elif data.get("kind", "embedded") == "embedded":
                 data = {**data, "streams_per_actor": default_streams_per_actor(
                     str(data.get("model", "whisper-base")), data.get("cpu_threads", 2),
                     data.get("actors", 1))}

@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.capacity import REALTIME_STREAMS_PER_CORE, default_streams_per_actor
+from orchestrator.capacity import (
+    REALTIME_STREAMS_PER_CORE,
+    VLLM_STREAMS_PER_ACTOR,
+    default_streams_per_actor,
+)
 from orchestrator.config import (
     ConfigError,
     ConfigIssue,
@@ -320,7 +324,7 @@ def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     # 16 streams + 4 slots of headroom for warm rollovers.
     assert kw["max_num_seqs"] == 20 and kw["max_num_batched_tokens"] == 8000
     assert kw["tokenizer_mode"] == "mistral" and kw["load_format"] == "mistral"
-    assert kw["max_model_len"] == 131072
+    assert kw["max_model_len"] == 16384
 
 
 def test_vllm_delay_in_yaml_is_refused_with_where_it_comes_from(tmp_path: Path) -> None:
@@ -362,6 +366,9 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     cfg = parse_event("event: x\nengine: {kind: realtime-ws, url: 'ws://h:1/v1/realtime'}\n"
                       "streams: [{id: a, source: push}]")
     assert cfg.engine.streams_per_actor == 4
+    # vllm: the aged knee of bench.voxtral_capacity (orchestrator/capacity.py)
+    cfg = parse_event("event: x\nengine: {kind: vllm, model: /m}\nstreams: [{id: a, source: push}]")
+    assert cfg.engine.streams_per_actor == VLLM_STREAMS_PER_ACTOR == 12
 
 
 def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:

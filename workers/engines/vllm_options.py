@@ -35,7 +35,7 @@ class VllmEngineOptions:
     model: str
     """Model folder (params.json + tekken.json [+ consolidated weights])."""
     max_streams: int = 16
-    max_model_len: int = 131072
+    max_model_len: int = 16384  # orchestrator.config VllmConfig says why
     gpu_memory_utilization: float = 0.90
     load_format: str = "mistral"
     """"mistral" for real weights, "dummy" for random weights (benchmarks)."""
