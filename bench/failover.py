@@ -54,8 +54,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from redis.asyncio import Redis
 
     from orchestrator.config import parse_event
+    from orchestrator.ray_actors import AsrActor
     from orchestrator.router import Router
-    from orchestrator.runtime import AsrActor, EventRuntime
+    from orchestrator.runtime import EventRuntime
     from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize, reference_text
     from workers.asr import AsrHostOptions
     from workers.bus import RedisBus

@@ -83,7 +83,7 @@ def gateway_view(streams: list[StreamOptions], kinds: dict[str, str]) -> str:
 
 async def publish_streams(redis: Redis, cfg: EventConfig) -> None:
     """Write the event's stream set and tell every gateway process."""
-    from orchestrator.runtime import stream_options
+    from orchestrator.actor_options import stream_options
 
     view = gateway_view([stream_options(s, cfg.translation) for s in cfg.streams],
                         {s.id: s.source_kind for s in cfg.streams})
@@ -317,7 +317,7 @@ class ApplyController:
     async def _finish(self, s: StreamConfig, old: EventConfig, last_seq: int
                       ) -> dict[str, Any]:
         """A removed stream's translations (bounded wait), then its archives complete."""
-        from orchestrator.runtime import stream_options
+        from orchestrator.actor_options import stream_options
 
         opts = stream_options(s, old.translation)
         lang = opts.caption_lang
@@ -355,7 +355,7 @@ class ApplyController:
             await asyncio.sleep(0.2)
 
     async def _update_outputs(self, new: EventConfig) -> list[str]:
-        from orchestrator.runtime import stream_options
+        from orchestrator.actor_options import stream_options
 
         if self.outputs is None:
             return []

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from orchestrator.actor_options import stream_options
 from orchestrator.apply import ApplyController, publish_streams
 from orchestrator.config import EventConfig
 from orchestrator.epoch import EpochGuard
@@ -32,7 +33,7 @@ from orchestrator.live import LiveView
 from orchestrator.outputs.config import hls_options, start_outputs
 from orchestrator.redis_child import keep_alive
 from orchestrator.redis_server import free_port
-from orchestrator.runtime import EventRuntime, stream_options
+from orchestrator.runtime import EventRuntime
 
 log = logging.getLogger(__name__)
 

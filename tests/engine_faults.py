@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from orchestrator.runtime import _HostActor
+from orchestrator.ray_actors import _HostActor
 from tests.fake_vllm import FakeVllmBackend
 from workers.asr import AsrHost, AsrHostOptions
 from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine

@@ -286,7 +286,7 @@ def test_realtime_ws_engine_needs_a_websocket_url(tmp_path: Path) -> None:
 
 
 def test_realtime_ws_engine_maps_to_client_options(tmp_path: Path) -> None:
-    from orchestrator.runtime import engine_options
+    from orchestrator.actor_options import engine_options
     from workers.engines.realtime_ws import RealtimeWsOptions
 
     cfg = tmp_path / "rt.yaml"
@@ -308,7 +308,7 @@ def test_embedded_engine_rejects_an_unknown_model(tmp_path: Path) -> None:
 
 
 def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
-    from orchestrator.runtime import engine_options
+    from orchestrator.actor_options import engine_options
     from workers.engines.vllm_voxtral import VllmEngineOptions, engine_kwargs
 
     cfg = load_event(Path(__file__).parent.parent / "examples" / "voxtral-gpu.yaml")
@@ -372,7 +372,7 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
 
 
 def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
-    from orchestrator.runtime import engine_options
+    from orchestrator.actor_options import engine_options
 
     cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  actors: 4\n"
                 "  vllm:\n    gpu_memory_utilization: 0.9\n    engines_per_gpu: 2\n"

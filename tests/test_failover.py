@@ -26,8 +26,9 @@ from ray.cluster_utils import Cluster
 
 from orchestrator import metrics
 from orchestrator.config import parse_event
+from orchestrator.ray_actors import AsrActor
 from orchestrator.router import Router
-from orchestrator.runtime import AsrActor, EventRuntime
+from orchestrator.runtime import EventRuntime
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize, reference_text
 from tests.waiting import eventually
 from workers.asr import AsrHostOptions

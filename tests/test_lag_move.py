@@ -23,8 +23,9 @@ import ray
 
 from orchestrator import metrics
 from orchestrator.config import ConfigError, parse_event
+from orchestrator.ray_actors import _HostActor
 from orchestrator.router import Router
-from orchestrator.runtime import EventRuntime, _HostActor
+from orchestrator.runtime import EventRuntime
 from tests.speech import AUDIO, decode_pcm16, normalize
 from tests.waiting import eventually
 from workers.asr import AsrHost, AsrHostOptions

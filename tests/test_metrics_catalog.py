@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
-from orchestrator import metrics, runtime
+from orchestrator import metrics, ray_metrics
 from orchestrator.metric_catalog import BY_EXPOSED, CATALOG, LABELS, MetricSpec, spec
 
 pytestmark = pytest.mark.unit
@@ -89,25 +89,28 @@ class FakeInstrument:
         self._record("observe", value, tags)
 
 
+Records = list[tuple[str, str, float, dict[str, str]]]
+
+
 @pytest.fixture
-def recorded() -> tuple[runtime.CatalogInstruments, list[tuple[str, str, float, dict[str, str]]]]:
+def recorded() -> tuple[ray_metrics.CatalogInstruments, Records]:
     records: list[tuple[str, str, float, dict[str, str]]] = []
 
     def factory(m: MetricSpec) -> FakeInstrument:
         assert m.source == "ray", f"{m.name} is a gateway metric"
         return FakeInstrument(m, records)
 
-    return runtime.CatalogInstruments(factory, cache={}), records
+    return ray_metrics.CatalogInstruments(factory, cache={}), records
 
 
 _OPS = {"counter": "inc", "gauge": "set", "histogram": "observe"}
 
 
 def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
-    recorded: tuple[runtime.CatalogInstruments, list[tuple[str, str, float, dict[str, str]]]],
+    recorded: tuple[ray_metrics.CatalogInstruments, Records],
 ) -> None:
     instruments, records = recorded
-    asr = runtime.RayMetricsSink("asr-0", instruments)
+    asr = ray_metrics.RayMetricsSink("asr-0", instruments)
     asr.stream_update(
         "room-a",
         {"rollovers_rut": 1, "rut_recoveries": 1, "gaps": 2, "gap_fill_s": 0.5,
@@ -121,10 +124,10 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
     asr.caption_published("room-a", True, None)
     asr.actor_update("asr-0", {"engine_busy_s": 0.5, "engine_steps": 2, "engine_reanchors": 1},
                      {"engine_healthy": 1.0, "engine_reanchoring": 1.0})
-    ingest = runtime.RayMetricsSink("ingest-0", instruments)
+    ingest = ray_metrics.RayMetricsSink("ingest-0", instruments)
     ingest.stream_update("room-a", {"source_audio_s": 1.0, "source_reconnects": 1,
                                     "source_gaps_source-error": 1, "source_refused": 1}, {})
-    mt = runtime.RayTranslationMetrics(instruments)
+    mt = ray_metrics.RayTranslationMetrics(instruments)
     mt.published("room-a", "pt", "bergamot", 0.4, error=False, final=True)
     mt.published("room-a", "es", "apertium", 0.2, error=True, final=False)
     mt.queue({"pending": 2, "lag": 5, "oldest_age_s": 1.5})
@@ -149,18 +152,18 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
 
 
 def test_the_runtime_maps_worker_keys_onto_catalog_metrics_of_the_right_shape() -> None:
-    for name in runtime.STREAM_COUNTERS.values():
+    for name in ray_metrics.STREAM_COUNTERS.values():
         assert spec(name).kind == "counter" and "stream" in spec(name).labels
-    for name in runtime.STREAM_COUNTER_PREFIXES.values():
+    for name in ray_metrics.STREAM_COUNTER_PREFIXES.values():
         assert spec(name).kind == "counter" and set(spec(name).labels) == {"stream", "reason"}
-    for name in runtime.STREAM_GAUGES.values():
+    for name in ray_metrics.STREAM_GAUGES.values():
         assert spec(name).kind == "gauge" and "stream" in spec(name).labels
-    for name in runtime.ACTOR_COUNTERS.values():
+    for name in ray_metrics.ACTOR_COUNTERS.values():
         assert spec(name).kind == "counter" and spec(name).labels == ("actor",)
 
 
 def test_a_record_with_the_wrong_labels_is_refused(
-    recorded: tuple[runtime.CatalogInstruments, list[tuple[str, str, float, dict[str, str]]]],
+    recorded: tuple[ray_metrics.CatalogInstruments, Records],
 ) -> None:
     instruments, _ = recorded
     with pytest.raises(ValueError, match="takes labels"):
@@ -170,10 +173,10 @@ def test_a_record_with_the_wrong_labels_is_refused(
 
 
 def test_a_zero_increment_creates_the_counter_series_at_zero(
-    recorded: tuple[runtime.CatalogInstruments, list[tuple[str, str, float, dict[str, str]]]],
+    recorded: tuple[ray_metrics.CatalogInstruments, Records],
 ) -> None:
     instruments, records = recorded
-    asr = runtime.RayMetricsSink("asr-0", instruments)
+    asr = ray_metrics.RayMetricsSink("asr-0", instruments)
     asr.stream_update("room-a", {"gaps": 0.0, "rollovers_rut": 0.0}, {})
     assert sorted((n, op, v) for n, op, v, _ in records) == [
         ("babelcast_audio_gaps_total", "inc", 0.0), ("babelcast_rollovers_total", "inc", 0.0)]

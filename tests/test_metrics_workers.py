@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from orchestrator import runtime
+from orchestrator import ray_metrics
 from orchestrator.metric_catalog import spec
 from orchestrator.redis_server import LocalRedisServer
 from tests.speech import AUDIO, decode_pcm16
@@ -238,15 +238,15 @@ def test_every_reported_key_reaches_a_catalog_metric(asr_run: AsrRun) -> None:
     keys |= {"source_reconnects", "source_audio_s", "source_gaps_late"}  # ingest's (above)
     unmapped = []
     for key in sorted(keys):
-        name = (runtime.STREAM_COUNTERS.get(key) or runtime.STREAM_GAUGES.get(key)
-                or next((n for p, n in runtime.STREAM_COUNTER_PREFIXES.items()
+        name = (ray_metrics.STREAM_COUNTERS.get(key) or ray_metrics.STREAM_GAUGES.get(key)
+                or next((n for p, n in ray_metrics.STREAM_COUNTER_PREFIXES.items()
                          if key.startswith(p)), None))
         if name is None:
-            if key not in runtime.STATUS_ONLY:
+            if key not in ray_metrics.STATUS_ONLY:
                 unmapped.append(key)
             continue
         assert spec(name).source == "ray"
     assert not unmapped, f"worker keys that reach no metric (map or list them): {unmapped}"
     for key in {k for _, k in sink.actor_counters}:
-        assert spec(runtime.ACTOR_COUNTERS[key]).source == "ray"
+        assert spec(ray_metrics.ACTOR_COUNTERS[key]).source == "ray"
 

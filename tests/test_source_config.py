@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.actor_options import stream_options
 from orchestrator.config import ConfigError, ConfigIssue, load_event
-from orchestrator.runtime import stream_options
 from orchestrator.source_config import read_stream_secrets
 
 pytestmark = pytest.mark.unit

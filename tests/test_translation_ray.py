@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import ray
 
+from orchestrator.actor_options import translation_backends, translation_host_options
 from orchestrator.config import parse_event
-from orchestrator.runtime import TranslatorActor, translation_backends, translation_host_options
+from orchestrator.ray_actors import TranslatorActor
 from tests.translation_jobs import enqueue_talk, published
 from tests.waiting import eventually
 from translation.jobs import GROUP
