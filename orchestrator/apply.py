@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 4
 """Requests waiting on the control list; the gateway answers 429 past it."""
 REPLY_TTL_S = 300
+POLL_S = 0.25
+"""How often the controller looks for a request."""
 START_WITHIN_S = 60.0
 """A request not started this long after it was sent is answered `expired`, not applied:
 whoever sent it has given up waiting."""
@@ -188,7 +190,7 @@ class ApplyController:
         self.redis: Any = redis
         self.outputs = outputs
         self.on_applied = on_applied
-        # Below redis-py's socket timeout (5 s by default), which a longer BLPOP trips.
+        # How long the controller idles between the glossary's upkeep ticks.
         self.block_s = block_s
         self.event = runtime.cfg.event
         self.applied = 0
@@ -197,9 +199,11 @@ class ApplyController:
 
     async def run(self) -> None:
         backoff = 0.5
+        idle_s = 0.0
+        me = asyncio.current_task()
         while True:
             try:
-                item = await self.redis.blpop([control_key(self.event)], timeout=self.block_s)
+                raw = await self.redis.lpop(control_key(self.event))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: requests wait in the list
@@ -208,6 +212,18 @@ class ApplyController:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
+            # redis-py 8.1 can swallow a cancellation that lands inside a command (the
+            # command then returns): without this check Ctrl-C left `babelcast run`
+            # waiting for this loop for good.
+            if me is not None and me.cancelling():
+                raise asyncio.CancelledError
+            item = None if raw is None else (control_key(self.event), raw)
+            if item is None:
+                await asyncio.sleep(POLL_S)
+                idle_s += POLL_S
+                if idle_s < self.block_s:
+                    continue
+                idle_s = 0.0
             backoff = 0.5
             if item is None:
                 await self._keep_glossary()
