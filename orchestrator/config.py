@@ -601,9 +601,11 @@ class EventConfig(_Strict):
         sections = ("redis", "ray", "engine", "ingest", "gateway", "translation", "outputs")
         if isinstance(data, dict):
             data = {k: ({} if k in sections and v is None else v) for k, v in data.items()}
-            # Validated (not defaulted) so its relative archive folder resolves against
-            # the event file, like every other path in it.
+            # Validated (not defaulted) so that their relative folders (archives, the
+            # local redis-server's append-only file) resolve against the event file, like
+            # every other path in it, not against the folder babelcast was started from.
             data.setdefault("outputs", {})
+            data.setdefault("redis", {})
         return data
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ us: it is stopped on exit and gets a parent-death signal for the exits that skip
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from orchestrator.lifecycle import parent_death_signal
 
@@ -38,6 +40,10 @@ class LocalRedisServer:
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._log: Path | None = None
+        self._lock: IO[str] | None = None
+        self._log_from = 0
+        self._chosen_port = port is not None
         self.restarts = 0
 
     @property
@@ -46,6 +52,23 @@ class LocalRedisServer:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    def _lock_data_dir(self) -> None:
+        """One redis-server per append-only folder: two writing one file corrupt it (then
+        neither starts again). Held by this process for its life (restarts included)."""
+        if self._lock is not None:
+            return
+        assert self.data_dir is not None
+        f = (self.data_dir / "babelcast.lock").open("a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            raise RedisServerError(
+                f"another babelcast run uses {self.data_dir} for its Redis data (the same "
+                "event, or another event file in the same folder, is running): stop it, "
+                "or give this event its own redis.data_dir") from None
+        self._lock = f
 
     def spawn(self) -> None:
         """Start the process (on the port it had, if any) without waiting for it. Call
@@ -60,6 +83,7 @@ class LocalRedisServer:
         self.port = self.port or free_port()
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_data_dir()
             folder = str(self.data_dir)
             persistence = ["--appendonly", "yes", "--appendfsync", "everysec"]
         else:
@@ -67,9 +91,14 @@ class LocalRedisServer:
                 self._dir = tempfile.TemporaryDirectory(prefix="babelcast-redis-")
             folder = self._dir.name
             persistence = ["--appendonly", "no"]
+        # Its log (where redis-server says why it stopped: a port taken, an unreadable
+        # append-only file) goes to a file, not a pipe that a long run would fill.
+        self._log = Path(folder) / "redis-server.log"
+        self._log_from = self._log.stat().st_size if self._log.exists() else 0
         self._proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *persistence, "--dir", folder, "--loglevel", "warning"],
+             *persistence, "--dir", folder, "--loglevel", "warning",
+             "--logfile", str(self._log)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=parent_death_signal(),
@@ -79,8 +108,12 @@ class LocalRedisServer:
         """True once it answers PING; raises RedisServerError if it exited."""
         assert self._proc is not None
         if self._proc.poll() is not None:
-            err = (self._proc.stderr.read() if self._proc.stderr else b"").decode()[-500:]
-            raise RedisServerError(f"redis-server exited at start: {err}")
+            err = (self._proc.stderr.read() if self._proc.stderr else b"").decode()
+            if self._log is not None and self._log.exists():
+                with self._log.open("rb") as f:  # what this start wrote
+                    f.seek(self._log_from)
+                    err += f.read().decode(errors="replace")
+            raise RedisServerError(f"redis-server exited at start: {err.strip()[-500:]}")
         try:
             with socket.create_connection(("127.0.0.1", self.port or 0), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
@@ -93,12 +126,23 @@ class LocalRedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> str:
-        self.spawn()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.ready():
-                return self.url
-            time.sleep(0.05)
+        # A port picked here can be taken by another process before redis-server binds
+        # it (seen once in a full test run, with Ray starting beside it): pick another.
+        for attempt in range(3):
+            self.spawn()
+            deadline = time.monotonic() + timeout_s
+            try:
+                while time.monotonic() < deadline:
+                    if self.ready():
+                        return self.url
+                    time.sleep(0.05)
+            except RedisServerError as exc:
+                if self._chosen_port or attempt == 2 or "already in use" not in str(exc):
+                    raise
+                self._proc = None
+                self.port = None
+                continue
+            break
         self.stop()
         raise RedisServerError(f"redis-server did not answer on port {self.port}")
 
@@ -114,6 +158,9 @@ class LocalRedisServer:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def __enter__(self) -> LocalRedisServer:
         self.start()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
 from orchestrator.apply import Plan, plan
@@ -64,6 +65,10 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def setup(redis_server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[Event, Path, str]]:
     tmp = tmp_path_factory.mktemp("hot")
+    # The session's Redis holds other tests' streams, some named like these rooms (and
+    # stamped by fake clocks): an ingest would continue their audio clock.
+    with SyncRedis.from_url(redis_server.url) as client:
+        client.flushdb()
     wav = write_reference_wav(tmp / "talk.wav")
     port = free_port()
     head = HEAD.format(url=redis_server.url, port=port)

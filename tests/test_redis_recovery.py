@@ -184,3 +184,28 @@ async def test_translator_recreates_its_job_group_and_does_not_redo_done_jobs(
     assert [d.job.segment_id for d in again if d.job] == [3]
     assert queue.groups_recreated == 1
     await redis.aclose()
+
+
+def test_two_runs_never_share_one_append_only_folder(tmp_path: Path) -> None:
+    """Two redis-servers writing one append-only file corrupt it, and then neither starts
+    again ("Bad file format reading the append only file"): the second run is refused with
+    what to do, the first keeps its data, and the folder is free once the first stops."""
+    from orchestrator.config import parse_event
+    from orchestrator.redis_server import RedisServerError
+
+    first = LocalRedisServer(data_dir=tmp_path / "aof")
+    first.start()
+    try:
+        second = LocalRedisServer(data_dir=tmp_path / "aof")
+        with pytest.raises(RedisServerError, match="another babelcast run uses"):
+            second.start()
+        assert first.alive() and first.ready()
+    finally:
+        first.stop()
+    again = LocalRedisServer(data_dir=tmp_path / "aof")
+    again.start()
+    again.stop()
+    # Without a redis section the folder is beside the event file, not where babelcast
+    # was started from (every run started in one folder used to share one).
+    cfg = parse_event("event: e\nstreams: [{id: a, source: push}]", base_dir=tmp_path)
+    assert cfg.redis.resolved_data_dir == str(tmp_path / ".babelcast" / "redis")
