@@ -13,6 +13,7 @@ publisher is told to come back (1013).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -54,6 +55,8 @@ async def _refuse_early(ws: WebSocket, ctx: GatewayContext, code: str, message: 
         await ws.close(code=close_code)
 
 
+PUBLISHER_GRACE_S = 2.0
+"""How long a new publisher waits for the stream's place before it is refused."""
 BUSY = ("publisher_busy", "stream {!r} already has a publisher; one connection pushes a "
         "stream at a time (a dropped one frees its place within the ping timeout)")
 
@@ -64,31 +67,43 @@ async def _admit_publisher(ctx: GatewayContext, ws: WebSocket, stream_id: str
                                           f"pushing audio to {stream_id!r}")
     if admitted is None:
         return None
-    try:
-        ctx.access.caps.claim_publisher(stream_id)
-    except CapExceeded as exc:
-        metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
-        ctx.access.release(admitted)
-        await Access.refuse(ws, exc.code, str(exc), 4409)
-        return None
+    # A publisher that closed a moment ago may not have let go yet (its handler's clean-up
+    # runs after the close): a reconnect is let in if the place frees within the grace.
+    deadline = time.monotonic() + PUBLISHER_GRACE_S
+    while True:
+        try:
+            ctx.access.caps.claim_publisher(stream_id)
+            break
+        except CapExceeded as exc:
+            if time.monotonic() >= deadline:
+                metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
+                ctx.access.release(admitted)
+                await Access.refuse(ws, exc.code, str(exc), 4409)
+                return None
+            await asyncio.sleep(0.1)
 
     async def lost() -> None:
         await Access.refuse(ws, BUSY[0], BUSY[1].format(stream_id), 4409)
 
     # Another gateway process (a worker, another machine) may hold the stream.
     lease = PublisherLease(ctx.redis, stream_id, lost)
-    try:
-        claimed = await lease.claim()
-    except RETRYABLE:
-        _release_publisher(ctx, admitted, stream_id)
-        metrics.GATEWAY_REFUSALS.labels(refusal="unavailable").inc()
-        await Access.refuse(ws, "unavailable", "Redis is unavailable; retry", TRY_AGAIN_LATER)
-        return None
-    if not claimed:
-        _release_publisher(ctx, admitted, stream_id)
-        metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
-        await Access.refuse(ws, BUSY[0], BUSY[1].format(stream_id), 4409)
-        return None
+    while True:
+        try:
+            claimed = await lease.claim()
+        except RETRYABLE:
+            _release_publisher(ctx, admitted, stream_id)
+            metrics.GATEWAY_REFUSALS.labels(refusal="unavailable").inc()
+            await Access.refuse(ws, "unavailable", "Redis is unavailable; retry",
+                                TRY_AGAIN_LATER)
+            return None
+        if claimed:
+            break
+        if time.monotonic() >= deadline:
+            _release_publisher(ctx, admitted, stream_id)
+            metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
+            await Access.refuse(ws, BUSY[0], BUSY[1].format(stream_id), 4409)
+            return None
+        await asyncio.sleep(0.1)
     return admitted, lease
 
 
