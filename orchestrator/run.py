@@ -163,20 +163,27 @@ async def serve_gateway(cfg: EventConfig, redis_url: str,
     return served
 
 
+def _gateway_preflight(cfg: EventConfig, in_use_hint: str) -> GatewaySecurity | None:
+    """The gateway's port is free and its secrets load; None (and why, logged) if not."""
+    if cfg.gateway.port and not _port_free(cfg.gateway.host, cfg.gateway.port):
+        log.error("gateway port %s:%s is in use; stop what uses it or set gateway.port%s",
+                  cfg.gateway.host, cfg.gateway.port, in_use_hint)
+        return None
+    try:
+        return gateway_security(cfg)
+    except SecretsError as exc:
+        log.error("cannot start: %s", exc)
+        return None
+
+
 async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
                     plain: bool = False) -> int:
     runtime = EventRuntime(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     started = time.monotonic()
-    if cfg.gateway.port and not _port_free(cfg.gateway.host, cfg.gateway.port):
-        log.error("gateway port %s:%s is in use; stop what uses it or set gateway.port "
-                  "(0 picks a free one)", cfg.gateway.host, cfg.gateway.port)
-        return 2
-    try:
-        security = gateway_security(cfg)
-    except SecretsError as exc:
-        log.error("cannot start: %s", exc)
+    security = _gateway_preflight(cfg, " (0 picks a free one)")
+    if security is None:
         return 2
     # Before any child exists: every process started from here on carries the mark
     # the reaper kills by if this process dies without cleaning up (SIGKILL).
@@ -261,14 +268,8 @@ async def run_gateway(cfg: EventConfig) -> int:
         log.error("babelcast gateway serves a run that publishes to Redis elsewhere: set "
                   "redis.url in the event file to that run's Redis")
         return 2
-    if cfg.gateway.port and not _port_free(cfg.gateway.host, cfg.gateway.port):
-        log.error("gateway port %s:%s is in use; stop what uses it or set gateway.port",
-                  cfg.gateway.host, cfg.gateway.port)
-        return 2
-    try:
-        security = gateway_security(cfg)
-    except SecretsError as exc:
-        log.error("cannot start: %s", exc)
+    security = _gateway_preflight(cfg, "")
+    if security is None:
         return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

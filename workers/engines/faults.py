@@ -37,18 +37,19 @@ class InjectedFault(RuntimeError):
     """Raised by RaisingEngine's sessions on purpose."""
 
 
-class _FaultySession(RecognizeSession):
-    def __init__(self, inner: RecognizeSession, options: SessionOptions, after_s: float,
-                 kind: Literal["mute", "blank", "raise"]) -> None:
+class _PassThroughSession(RecognizeSession):
+    """Feeds an inner session and re-emits its deltas; subclasses act on each input item
+    (`_on_item`) and each delta (`_on_delta`)."""
+
+    def __init__(self, inner: RecognizeSession, options: SessionOptions) -> None:
         super().__init__(options)
         self.inner = inner
-        self.after = int(after_s * SAMPLE_RATE)
-        self.kind = kind
-        self.fed = 0
 
-    @property
-    def faulty(self) -> bool:
-        return self.fed >= self.after
+    async def _on_item(self, item: AudioChunk | AudioGap) -> None:
+        """Before `item` reaches the inner session."""
+
+    async def _on_delta(self, delta: TranscriptDelta) -> None:
+        await self._emit(delta)
 
     async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
         forward = asyncio.create_task(self._forward())
@@ -60,10 +61,7 @@ class _FaultySession(RecognizeSession):
                     await forward
                     return
                 assert isinstance(item, (AudioChunk, AudioGap))
-                if isinstance(item, AudioChunk):
-                    self.fed += item.samples
-                    if self.kind == "raise" and self.faulty:
-                        raise InjectedFault(f"injected failure after {self.after} samples")
+                await self._on_item(item)
                 await self.inner.push(item)
         finally:
             forward.cancel()
@@ -73,10 +71,32 @@ class _FaultySession(RecognizeSession):
 
     async def _forward(self) -> None:
         async for delta in self.inner:
-            if not self.faulty:
-                await self._emit(delta)
-            elif self.kind == "blank":
-                await self._emit(TranscriptDelta(language=delta.language))
+            await self._on_delta(delta)
+
+
+class _FaultySession(_PassThroughSession):
+    def __init__(self, inner: RecognizeSession, options: SessionOptions, after_s: float,
+                 kind: Literal["mute", "blank", "raise"]) -> None:
+        super().__init__(inner, options)
+        self.after = int(after_s * SAMPLE_RATE)
+        self.kind = kind
+        self.fed = 0
+
+    @property
+    def faulty(self) -> bool:
+        return self.fed >= self.after
+
+    async def _on_item(self, item: AudioChunk | AudioGap) -> None:
+        if isinstance(item, AudioChunk):
+            self.fed += item.samples
+            if self.kind == "raise" and self.faulty:
+                raise InjectedFault(f"injected failure after {self.after} samples")
+
+    async def _on_delta(self, delta: TranscriptDelta) -> None:
+        if not self.faulty:
+            await self._emit(delta)
+        elif self.kind == "blank":
+            await self._emit(TranscriptDelta(language=delta.language))
 
 
 class _FaultyEngine(WrappedEngine):
@@ -109,35 +129,15 @@ class RaisingEngine(_FaultyEngine):
     kind = "raise"
 
 
-class _SlowSession(RecognizeSession):
+class _SlowSession(_PassThroughSession):
     def __init__(self, inner: RecognizeSession, options: SessionOptions,
                  engine: SlowEngine) -> None:
-        super().__init__(options)
-        self.inner = inner
+        super().__init__(inner, options)
         self.engine = engine
 
-    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
-        forward = asyncio.create_task(self._forward())
-        try:
-            while True:
-                item = await inputs.get()
-                if item is END:
-                    await self.inner.end_input()
-                    await forward
-                    return
-                assert isinstance(item, (AudioChunk, AudioGap))
-                if isinstance(item, AudioChunk) and self.engine.slow:
-                    await asyncio.sleep(self.engine.slowdown * item.samples / SAMPLE_RATE)
-                await self.inner.push(item)
-        finally:
-            forward.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await forward
-            await self.inner.aclose()
-
-    async def _forward(self) -> None:
-        async for delta in self.inner:
-            await self._emit(delta)
+    async def _on_item(self, item: AudioChunk | AudioGap) -> None:
+        if isinstance(item, AudioChunk) and self.engine.slow:
+            await asyncio.sleep(self.engine.slowdown * item.samples / SAMPLE_RATE)
 
 
 class SlowEngine(WrappedEngine):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
 from concurrent.futures import Executor
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -148,6 +148,18 @@ def _pcm_frames(container: InputContainer, skip: int = 0) -> Generator[bytes, No
             seek_s = None  # decoded from the start: `drop` counts
     resampler: av.AudioResampler | None = None
     layout: tuple[str, str, int] | None = None
+
+    def trimmed(outs: Iterable[AudioFrame]) -> Iterator[bytes]:
+        """The PCM of resampled frames, less what is still to drop."""
+        nonlocal drop
+        for out in outs:
+            pcm = _pcm(out)
+            if drop:
+                cut = min(drop, len(pcm))
+                pcm, drop = pcm[cut:], drop - cut
+            if pcm:
+                yield pcm
+
     bad = 0
     for packet in container.demux(stream):
         try:
@@ -177,21 +189,9 @@ def _pcm_frames(container: InputContainer, skip: int = 0) -> Generator[bytes, No
                     yield from (_pcm(f) for f in resampler.resample(None))
                 resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
                 layout = key
-            for out in resampler.resample(frame):
-                pcm = _pcm(out)
-                if drop:
-                    cut = min(drop, len(pcm))
-                    pcm, drop = pcm[cut:], drop - cut
-                if pcm:
-                    yield pcm
+            yield from trimmed(resampler.resample(frame))
     if resampler is not None:
-        for out in resampler.resample(None):
-            pcm = _pcm(out)
-            if drop:
-                cut = min(drop, len(pcm))
-                pcm, drop = pcm[cut:], drop - cut
-            if pcm:
-                yield pcm
+        yield from trimmed(resampler.resample(None))
 
 
 class _PcmReader:
