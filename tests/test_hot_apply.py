@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 
 from orchestrator.apply import Plan, plan
 from orchestrator.config import parse_event
+from orchestrator.gateway.admin_apply import MAX_BODY_BYTES
 from orchestrator.redis_server import LocalRedisServer, free_port
 from tests.event_support import Event, start_event, stop_event
 from tests.speech import write_reference_wav
@@ -112,6 +113,10 @@ async def _scenario(ev: Event, tmp: Path, url: str) -> None:
         anonymous = await http.post("/v1/admin/apply", headers={"Authorization": ""},
                                     json={"yaml": (tmp / "v2.yaml").read_text()})
         assert anonymous.status_code == 401, "applying needs the admin token"
+        # Past the body bound: refused with 413 before anything is read into the event.
+        huge = await http.post("/v1/admin/apply",
+                               json={"yaml": "#" * (MAX_BODY_BYTES + 8192)})
+        assert huge.status_code == 413, huge.text
         applied_at = time.time()
 
         # 1. add a room, remove a room, change a target
