@@ -72,6 +72,7 @@ sys.path.insert(0, str(ROOT))
 
 from workers.engines import vad  # noqa: E402
 from workers.engines.base import SessionOptions  # noqa: E402
+from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV  # noqa: E402
 from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
 from workers.events import AudioChunk  # noqa: E402
 
@@ -587,8 +588,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async def run(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
                   **kw: Any) -> dict[str, Any]:
         """run_config, with a line on stderr and the rows so far in --partial."""
-        row = await run_config(fronts, config, n, seconds, shared=shared,
-                               production=args.production, **kw)
+        t_wall = time.time()
+        try:
+            row = await run_config(fronts, config, n, seconds, shared=shared,
+                                   production=args.production, **kw)
+        except Exception as exc:
+            if args.kv_trace:  # where the KV cache was when it failed (ageing stuck)
+                exc.add_note(json.dumps({"kv": kv_summary(args.kv_trace, t_wall,
+                                                          time.time())}))
+            raise
+        if args.kv_trace:
+            row["kv"] = kv_summary(args.kv_trace, t_wall, time.time())
         progress.append(row)
         print(json.dumps({k: row.get(k) for k in ("config", "streams", "feed",
                           "realtime_share", "frames_per_s_p50", "front_end_us_per_chunk",
@@ -601,8 +611,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     def opts(streams: int) -> VllmEngineOptions:
         return VllmEngineOptions(
             model=args.model, max_streams=streams, max_model_len=args.max_model_len,
-            load_format=args.load_format,
+            load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3))
+
 
     wanted = ([0] if need_main else []) + ([1, 2] if x2 else [])
     fronts: dict[int, FrontEnd] = {}
@@ -644,8 +655,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames)
                 except Exception as exc:  # e.g. ageing stuck: no KV cache for the sessions
-                    aged[n][c] = {"realtime_share": 0.0, "error": f"{exc}"[:300]}
-                    print(json.dumps({"aged": n, "config": c, "error": f"{exc}"[:300]}),
+                    notes = [json.loads(x) for x in getattr(exc, "__notes__", [])]
+                    aged[n][c] = {"realtime_share": 0.0, "error": f"{exc}"[:300],
+                                  **({"kv": notes[0]["kv"]} if notes else {})}
+                    print(json.dumps({"aged": n, "config": c, "error": f"{exc}"[:300],
+                                      **({"kv": notes[0]["kv"]} if notes else {})}),
                           file=sys.stderr, flush=True)
             aged_alive = [c for c in aged_alive
                           if aged[n][c]["realtime_share"] >= REALTIME_SHARE]
@@ -665,6 +679,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "configs": configs, "dropped_configs": dropped, "ladder": ladder,
         "seconds": args.seconds, "rounds": args.rounds,
         "gpu_memory_utilization_per_engine": round(args.gpu_memory_utilization / engines, 3),
+        "kv_cache_dtype": args.kv_cache_dtype,
         "feed": "production" if args.production else "plain",
         "max_model_len": args.max_model_len,
         "shared_front_end": shared,
@@ -679,6 +694,35 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "aged_by_level": aged,
         "profiles": summarize_profiles(args.profile_dir) if args.profile_dir else None,
     }
+
+
+def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
+    """Per engine (trace file), from the scheduler's lines between t0 and t1 (wall clock):
+    the most KV blocks in use (share), the most requests running and waiting, and the
+    blocks each running request held per cache group when the most were in use."""
+    out = []
+    for path in sorted(Path(folder).glob("kv-*.jsonl")):
+        lines = []
+        with contextlib.suppress(OSError):
+            for raw in path.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    line = json.loads(raw)
+                    if t0 <= line["t"] <= t1:
+                        lines.append(line)
+        if not lines:
+            continue
+        peak = max(lines, key=lambda x: x["blocks"] - x["free"])
+        running = max(1, peak["running"])
+        out.append({
+            "engine": path.stem, "blocks": peak["blocks"],
+            "used_max": round((peak["blocks"] - peak["free"]) / max(1, peak["blocks"]), 3),
+            "running_max": max(x["running"] for x in lines),
+            "waiting_max": max(x["waiting"] for x in lines),
+            "blocks_per_request_at_peak": {
+                f'{g["spec"]}(window {g["window"]}, block {g["block_size"]})':
+                    round(g["held"] / running, 1) for g in peak["groups"]},
+        })
+    return out
 
 
 def host_fingerprint() -> dict[str, Any]:
@@ -742,6 +786,11 @@ def main() -> int:
     ap.add_argument("--profile-level", type=int, default=None)
     ap.add_argument("--partial", default=None,
                     help="write the rows measured so far to this file after every phase")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="the engines' KV cache element type (engine.vllm.kv_cache_dtype)")
+    ap.add_argument("--kv-trace", default=None,
+                    help="folder: the engines' schedulers write where their KV cache is, "
+                         "and each phase reports it (`kv`)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.age_min is not None and not args.aged_ladder:
@@ -755,6 +804,9 @@ def main() -> int:
         result = asyncio.run(voxtral_age.main_async(aged))
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))
         return 0
+    if args.kv_trace:  # read by the engine cores' schedulers, which inherit it
+        Path(args.kv_trace).mkdir(parents=True, exist_ok=True)
+        os.environ[TRACE_ENV] = str(Path(args.kv_trace).resolve())
     result = asyncio.run(main_async(args))
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0

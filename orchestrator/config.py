@@ -197,6 +197,9 @@ class VllmConfig(_Strict):
         default="PIECEWISE", description="Voxtral refuses FULL graphs")
     max_num_batched_tokens: int | None = Field(
         default=None, ge=1, description="at least 400 × (streams + headroom) is used anyway")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto", description="KV cache element type: auto (bf16) or fp8, half the GPU "
+                                    "memory per position (sessions aged long are bounded by it)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

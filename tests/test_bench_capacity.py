@@ -4,11 +4,13 @@ rounds; rounds rotate the order so no configuration always runs first."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench import voxtral_capacity as capacity
 from bench.voxtral_capacity import (
     _phase,
     feed_of,
@@ -108,3 +110,25 @@ async def test_the_production_feed_runs_real_speech_through_the_manager_and_vad(
     assert all(11.0 <= f <= 13.5 for f in result["fps"]), result["fps"]
     assert max(result["backlog_s"]) < 1.0
     assert result["helpers_us_per_chunk"] > 0  # Silero ran in the helper processes
+
+
+def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path) -> None:
+    """The engine cores' KV trace (one file per engine) becomes a phase's `kv`."""
+    def line(t: float, free: int, running: int, held: tuple[int, int]) -> str:
+        return json.dumps({"t": t, "blocks": 100, "free": free, "running": running,
+                           "waiting": 1 if free < 10 else 0, "groups": [
+                               {"spec": "SlidingWindowSpec", "block_size": 16,
+                                "window": 189, "held": held[0]},
+                               {"spec": "SlidingWindowSpec", "block_size": 128,
+                                "window": 8192, "held": held[1]}]})
+    (tmp_path / "kv-1.jsonl").write_text("\n".join([
+        line(5.0, 0, 9, (90, 9)),  # before the window: not counted
+        line(10.0, 60, 4, (20, 20)), line(11.0, 8, 8, (40, 52)), "not json",
+        line(12.0, 30, 8, (40, 30))]) + "\n")
+    (tmp_path / "kv-2.jsonl").write_text(line(50.0, 0, 1, (1, 1)) + "\n")  # outside
+    [engine] = capacity.kv_summary(str(tmp_path), 9.0, 13.0)
+    assert engine["engine"] == "kv-1" and engine["used_max"] == 0.92
+    assert engine["running_max"] == 8 and engine["waiting_max"] == 1
+    assert engine["blocks_per_request_at_peak"] == {
+        "SlidingWindowSpec(window 189, block 16)": 5.0,
+        "SlidingWindowSpec(window 8192, block 128)": 6.5}

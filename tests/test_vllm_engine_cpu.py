@@ -72,6 +72,10 @@ def test_engine_args_leave_headroom_for_rollovers() -> None:
         "max_num_seqs"] == 3
     assert engine_kwargs(VllmEngineOptions(model="/m", max_streams=8, rollover_headroom=0),
                          STOCK_026)["max_num_seqs"] == 8
+    # The KV cache's type is vLLM's own unless asked (fp8: half the memory per position).
+    assert "kv_cache_dtype" not in kw
+    assert engine_kwargs(VllmEngineOptions(model="/m", kv_cache_dtype="fp8"),
+                         STOCK_026 | {"kv_cache_dtype"})["kv_cache_dtype"] == "fp8"
 
 
 def test_fork_flags_are_never_switched_on_or_claimed() -> None:

@@ -27,6 +27,10 @@ SCHEDULER_CLS = "workers.engines.vllm_reanchor.scheduler.ReanchorAsyncScheduler"
 WORKER_CLS = "workers.engines.vllm_reanchor.worker.ReanchorWorker"
 REANCHOR_ARG = "babelcast_reanchor_every"
 STATS_EVERY_S = 2.0
+KV_TRACE_ENV = "BABELCAST_KV_TRACE"
+"""A folder: if set, the re-anchoring scheduler (engine core) appends a JSON line a second
+to kv-<pid>.jsonl there (KV blocks held per cache group, requests running and waiting);
+bench.voxtral_capacity reads it. Unset in production: nothing is written."""
 
 
 
@@ -44,6 +48,9 @@ class VllmEngineOptions:
     cudagraph_mode: str = "PIECEWISE"
     max_num_batched_tokens: int | None = None
     attention_backend: str | None = "FLASH_ATTN"
+    kv_cache_dtype: str = "auto"
+    """vLLM's KV cache element type: "auto" (the model's, bf16) or "fp8" (half the memory
+    per position: what bounds sessions aged long, see README)."""
     reanchor: Literal["auto", "on", "off"] = "auto"
     """auto: on where tested (vLLM 0.26.x) and the engine's probe agrees; on: wherever
     the probe agrees; off: warm rollovers only."""
@@ -146,6 +153,8 @@ def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
         "enable_prefix_caching": False,  # realtime sessions share no prefix worth caching
         "limit_mm_per_prompt": {"audio": 1},
     }
+    if o.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = o.kv_cache_dtype
     if not o.enforce_eager:
         kwargs["compilation_config"] = {"cudagraph_mode": o.cudagraph_mode}
     if o.attention_backend and "attention_backend" in available:

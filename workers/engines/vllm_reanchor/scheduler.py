@@ -20,13 +20,17 @@ Exceptions never leave this class: a failing re-anchor must not kill the engine 
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV
 from workers.engines.vllm_reanchor.plan import (
     CannotReanchor,
     Geometry,
@@ -61,8 +65,13 @@ class _ReanchorMixin:
     _bc_pending: list[Reanchor]
     _bc_failures: dict[str, str]
     _bc_seq: int
+    _bc_trace: str | None
+    _bc_trace_next: float
 
     def _bc_init(self) -> None:
+        folder = os.environ.get(TRACE_ENV)
+        self._bc_trace = os.path.join(folder, f"kv-{os.getpid()}.jsonl") if folder else None
+        self._bc_trace_next = 0.0
         self._bc_due = set()
         self._bc_pending = []
         self._bc_failures = {}
@@ -92,6 +101,9 @@ class _ReanchorMixin:
         if self._bc_due:
             self._bc_reanchor_due()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._bc_trace is not None and time.monotonic() >= self._bc_trace_next:
+            self._bc_trace_next = time.monotonic() + 1.0
+            self._bc_write_trace()
         if self._bc_pending:
             setattr(out, REANCHORS_ATTR, tuple(self._bc_pending))
             if out.total_num_scheduled_tokens > 0:
@@ -101,6 +113,30 @@ class _ReanchorMixin:
             if out.total_num_scheduled_tokens > 0:
                 self._bc_failures = {}
         return out
+
+    def _bc_write_trace(self) -> None:
+        """Benchmarks only (TRACE_ENV): where the KV cache is. Never raises."""
+        try:
+            pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+            groups = []
+            for m in self._bc_managers():
+                spec = m.kv_cache_spec
+                held = sum(1 for blocks in m.req_to_blocks.values() for b in blocks
+                           if not b.is_null)
+                groups.append({"spec": type(spec).__name__, "block_size": spec.block_size,
+                               "window": getattr(spec, "sliding_window", None),
+                               "held": held})
+            line = {"t": time.time(), "blocks": pool.num_gpu_blocks,
+                    "free": pool.get_num_free_blocks(),
+                    "running": len(self.running),  # type: ignore[attr-defined]
+                    "waiting": len(self.waiting),  # type: ignore[attr-defined]
+                    "groups": groups}
+            assert self._bc_trace is not None
+            with open(self._bc_trace, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except Exception as exc:
+            log.warning("babelcast KV trace failed: %s", exc)
+            self._bc_trace = None
 
     def _bc_reanchor_due(self) -> None:
         geometry = self._bc_geometry
