@@ -42,11 +42,17 @@ BLANK = 32
 
 async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
-                       direct: bool = False) -> AsyncIterator[Any]:
+                       direct: bool = False, gate: asyncio.Semaphore | None = None
+                       ) -> AsyncIterator[Any]:
     """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that its first
     `bulk_steps` steps after the first prompt take `bulk` frames at once. With `direct`,
     the one-frame steps after them are built as the project's engine builds them
-    (`workers/engines/vllm_direct.py`); the bulk steps always go through the renderer."""
+    (`workers/engines/vllm_direct.py`); the bulk steps always go through the renderer.
+
+    `gate` bounds how many sessions are in their bulk steps at once: a bulk step holds the
+    KV cache of `bulk` audio frames until it is computed (the encoder's ~4.5 x its window),
+    and with every session ageing at once that filled an engine's cache and stalled it
+    (48 sessions on two bf16 engines, H200), which no session fed in real time meets."""
     from vllm.engine.protocol import StreamingInput
     from vllm.model_executor.models.voxtral_realtime import VoxtralRealtimeBuffer
     from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -96,14 +102,27 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             await buffer.append_tokens([BLANK] * (bulk if n <= bulk_steps else 1))
 
     tasks = [asyncio.create_task(feed_audio()), asyncio.create_task(feed_tokens())]
+    step, holding = 0, False
     try:
         async for s in buffer.get_input_stream():
+            if gate is not None and bulk_steps:
+                # Step k comes once step k-1's output has: past the last bulk step, the
+                # session's bulk KV is computed and freed, so its place goes to another.
+                if step == 1:
+                    await gate.acquire()
+                    holding = True
+                elif step == bulk_steps + 1 and holding:
+                    gate.release()
+                    holding = False
+            step += 1
             engine_input = build(s.prompt) if build is not None else None
             if engine_input is None:
                 (engine_input,) = await llm.renderer.render_cmpl_async(
                     [parse_model_prompt(model_config, s.prompt)])
             yield StreamingInput(prompt=engine_input)
     finally:
+        if holding and gate is not None:
+            gate.release()
         for t in tasks:
             t.cancel()
 
@@ -111,7 +130,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
 class Session:
     def __init__(self, backend: Any, every: int | None, age_frames: int, bulk: int,
                  audio: np.ndarray, offset: int, direct: bool = False,
-                 prefeed: bool = True) -> None:
+                 prefeed: bool = True, gate: asyncio.Semaphore | None = None) -> None:
         self.q: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
         self.tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         self.outputs = 0
@@ -122,6 +141,7 @@ class Session:
         steps = age_frames // bulk if age_frames else 0
         self.aged_outputs = 1 + steps  # the first prompt, then the bulk steps
         self.direct = direct
+        self.gate = gate
         self.task = asyncio.create_task(self._run(backend, every, bulk, steps))
         for _ in range(8 + steps * bulk if prefeed else 0):  # first prompt, bulk, look-ahead
             self.push()
@@ -136,7 +156,8 @@ class Session:
             while (a := await self.q.get()) is not None:
                 yield a
 
-        prompts = aged_prompts(backend, audio(), self.tokens, bulk, steps, self.direct)
+        prompts = aged_prompts(backend, audio(), self.tokens, bulk, steps, self.direct,
+                               self.gate)
         async for out in backend.generate(prompts, self.rid, every):
             if out.outputs:
                 self.outputs += 1

@@ -34,8 +34,9 @@ Like production:
   (`VadService`, one per 40 streams); their CPU is reported as `helpers_us_per_chunk`.
 - `--age-min M --aged-ladder N…`: after the knee, the project's configurations run at
   those levels with sessions first aged M minutes (fed in bulk prompts of 750 frames with
-  blanks fed back, re-anchoring as configured: bench.voxtral_age), climbing until the
-  first miss (`aged_knee`). vLLM's stock path has no aged steady state (it cannot
+  blanks fed back, re-anchoring as configured: bench.voxtral_age; at most
+  `--age-concurrency` sessions per front end in their bulk steps at once, since each holds
+  the KV cache of its whole step), climbing until the first miss (`aged_knee`). vLLM's stock path has no aged steady state (it cannot
   re-anchor; its sessions end at max_model_len), so it is measured on new sessions only.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -x2 pair,
   so two engines share the GPU's memory as `engines_per_gpu: 2` would.
@@ -81,6 +82,9 @@ REALTIME_FPS = 12.0
 REALTIME_SHARE = 0.95
 WARM_S = 3.0
 AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
+AGE_CONCURRENCY = 8
+"""Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
+each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
 AGE_TIMEOUT_S = 150.0  # ageing that takes longer is stuck (e.g. waiting for KV cache)
 CONFIGS = ("stock", "project", "project-direct", "project-x2", "project-direct-x2")
 
@@ -331,13 +335,16 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         return await open_production(engine, vad_box[0], opened, i)
 
     aged_sessions: list[Any] = []
+    age_gate: list[asyncio.Semaphore] = []
 
     async def aged(i: int, direct: bool, age_frames: int) -> Handle:
         from bench.voxtral_age import Session as AgedSession
 
         every = engine.options.reanchor_every if engine.reanchoring else None
+        if not age_gate:
+            age_gate.append(asyncio.Semaphore(age_concurrency))
         s = AgedSession(backend, every, age_frames, AGE_BULK, audio,
-                        (i * 7919 * FRAME) % audio.size, direct=direct)
+                        (i * 7919 * FRAME) % audio.size, direct=direct, gate=age_gate[0])
         aged_sessions.append(s)
 
         def push(frame: np.ndarray) -> None:
@@ -364,6 +371,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             break
         path, n, seconds, first = cmd["path"], cmd["n"], cmd["seconds"], cmd["first"]
         feed, age_frames = cmd.get("feed", "plain"), int(cmd.get("age_frames", 0))
+        age_concurrency = int(cmd.get("age_concurrency", AGE_CONCURRENCY))
         direct = path == "direct"
         before: Callable[[], Awaitable[None]] | None = None
         if path == "stock":
@@ -405,6 +413,8 @@ async def _maybe_await(value: Any) -> Any:
 class FrontEnd:
     """A front-end process and its pipe."""
 
+    age_concurrency = AGE_CONCURRENCY
+
     def __init__(self, index: int, options: VllmEngineOptions) -> None:
         ctx = mp.get_context("spawn")
         self.index = index
@@ -424,7 +434,8 @@ class FrontEnd:
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
-                        "first": first, "feed": feed, "age_frames": age_frames})
+                        "first": first, "feed": feed, "age_frames": age_frames,
+                        "age_concurrency": self.age_concurrency})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -583,6 +594,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     age_frames = (int(args.age_min[0] * 60 / 0.08) // AGE_BULK * AGE_BULK
                   if args.age_min else 0)
     partial_path = Path(args.partial) if args.partial else None
+    FrontEnd.age_concurrency = args.age_concurrency
     progress: list[dict[str, Any]] = []
 
     async def run(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
@@ -597,8 +609,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 exc.add_note(json.dumps({"kv": kv_summary(args.kv_trace, t_wall,
                                                           time.time())}))
             raise
-        if args.kv_trace:
-            row["kv"] = kv_summary(args.kv_trace, t_wall, time.time())
+        if args.kv_trace:  # ageing feeds 750-frame prompts: its peak is not the steady one
+            t_aged = t_wall + (row.get("aged_in_s") or 0.0)
+            row["kv"] = kv_summary(args.kv_trace, t_aged, time.time())
+            if row.get("aged_in_s"):
+                row["kv_ageing"] = kv_summary(args.kv_trace, t_wall, t_aged)
         progress.append(row)
         print(json.dumps({k: row.get(k) for k in ("config", "streams", "feed",
                           "realtime_share", "frames_per_s_p50", "front_end_us_per_chunk",
@@ -699,7 +714,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
     """Per engine (trace file), from the scheduler's lines between t0 and t1 (wall clock):
     the most KV blocks in use (share), the most requests running and waiting, and the
-    blocks each running request held per cache group when the most were in use."""
+    blocks each session held per cache group when the most were in use."""
     out = []
     for path in sorted(Path(folder).glob("kv-*.jsonl")):
         lines = []
@@ -712,7 +727,6 @@ def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
         if not lines:
             continue
         peak = max(lines, key=lambda x: x["blocks"] - x["free"])
-        running = max(1, peak["running"])
         out.append({
             "engine": path.stem, "blocks": peak["blocks"],
             "used_max": round((peak["blocks"] - peak["free"]) / max(1, peak["blocks"]), 3),
@@ -720,7 +734,8 @@ def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
             "waiting_max": max(x["waiting"] for x in lines),
             "blocks_per_request_at_peak": {
                 f'{g["spec"]}(window {g["window"]}, block {g["block_size"]})':
-                    round(g["held"] / running, 1) for g in peak["groups"]},
+                    round(g["held"] / max(1, g.get("requests", peak["running"])), 1)
+                for g in peak["groups"]},
         })
     return out
 
@@ -786,6 +801,8 @@ def main() -> int:
     ap.add_argument("--profile-level", type=int, default=None)
     ap.add_argument("--partial", default=None,
                     help="write the rows measured so far to this file after every phase")
+    ap.add_argument("--age-concurrency", type=int, default=AGE_CONCURRENCY,
+                    help="sessions per front end in their bulk ageing steps at once")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the engines' KV cache element type (engine.vllm.kv_cache_dtype)")
     ap.add_argument("--kv-trace", default=None,

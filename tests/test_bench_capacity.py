@@ -118,9 +118,9 @@ def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path
         return json.dumps({"t": t, "blocks": 100, "free": free, "running": running,
                            "waiting": 1 if free < 10 else 0, "groups": [
                                {"spec": "SlidingWindowSpec", "block_size": 16,
-                                "window": 189, "held": held[0]},
+                                "window": 189, "held": held[0], "requests": 10},
                                {"spec": "SlidingWindowSpec", "block_size": 128,
-                                "window": 8192, "held": held[1]}]})
+                                "window": 8192, "held": held[1], "requests": 8}]})
     (tmp_path / "kv-1.jsonl").write_text("\n".join([
         line(5.0, 0, 9, (90, 9)),  # before the window: not counted
         line(10.0, 60, 4, (20, 20)), line(11.0, 8, 8, (40, 52)), "not json",
@@ -130,5 +130,5 @@ def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path
     assert engine["engine"] == "kv-1" and engine["used_max"] == 0.92
     assert engine["running_max"] == 8 and engine["waiting_max"] == 1
     assert engine["blocks_per_request_at_peak"] == {
-        "SlidingWindowSpec(window 189, block 16)": 5.0,
+        "SlidingWindowSpec(window 189, block 16)": 4.0,  # 10 sessions hold some
         "SlidingWindowSpec(window 8192, block 128)": 6.5}

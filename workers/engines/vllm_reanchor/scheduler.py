@@ -115,17 +115,20 @@ class _ReanchorMixin:
         return out
 
     def _bc_write_trace(self) -> None:
-        """Benchmarks only (TRACE_ENV): where the KV cache is. Never raises."""
+        """Benchmarks only (TRACE_ENV): where the KV cache is. Never raises. Streaming
+        sessions waiting for their next chunk hold blocks without being running or
+        waiting, so each group also counts the requests holding any."""
         try:
             pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
             groups = []
             for m in self._bc_managers():
                 spec = m.kv_cache_spec
-                held = sum(1 for blocks in m.req_to_blocks.values() for b in blocks
-                           if not b.is_null)
+                per_request = [sum(1 for b in blocks if not b.is_null)
+                               for blocks in m.req_to_blocks.values()]
                 groups.append({"spec": type(spec).__name__, "block_size": spec.block_size,
                                "window": getattr(spec, "sliding_window", None),
-                               "held": held})
+                               "held": sum(per_request),
+                               "requests": sum(1 for n in per_request if n)})
             line = {"t": time.time(), "blocks": pool.num_gpu_blocks,
                     "free": pool.get_num_free_blocks(),
                     "running": len(self.running),  # type: ignore[attr-defined]
