@@ -15,12 +15,14 @@ An operator who measures a bigger machine sets `engine.streams_per_actor` in the
 
 The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes `VLLM_STREAMS_PER_ACTOR`, the knee
 of `bench.voxtral_capacity` for sessions aged 30 minutes on an H200 (16-core Xeon host,
-2026-12-01): two engines on the GPU (`engines_per_gpu: 2`, each 0.425 of its memory,
-`max_model_len` 16384, re-anchoring every 4096) held 24 aged sessions in real time and
-could not hold 48 (their KV cache, 42,834 positions per engine at ~1.1 MiB each, ran
-out while ageing). New sessions fed as an actor feeds them reach 72 per GPU on the same
-host (36 per engine), so the aged knee, 12 per engine, is the budget. An engine that has
-the whole GPU (`engines_per_gpu: 1`) has about twice the KV cache; it is given the same
+2026-12-01, production feed): two engines on the GPU (`engines_per_gpu: 2`, each 0.425 of
+its memory, bf16 KV cache, `max_model_len` 16384, re-anchoring every 4096) held 36 aged
+sessions in real time, 18 per engine. The engine's scheduler trace put an aged session at
+78 KV blocks of 2,636 (65 for the decoder's 8,192-position window, 13 for the encoder's),
+so KV would allow ~33 per such engine; 48 on the pair was not measured in real time (the
+bench's ageing, not the sessions, filled the cache; see README). New sessions reach ≥ 128
+per GPU (64 per engine), so the aged knee, 18 per engine, is the budget. An engine that
+has the whole GPU (`engines_per_gpu: 1`) has about twice the KV cache; it is given the same
 budget until its own aged knee is measured.
 """
 
@@ -30,7 +32,7 @@ import math
 import os
 
 REALTIME_STREAMS_PER_CORE = {"whisper-base": 1.5, "tiny.en": 3.0}
-VLLM_STREAMS_PER_ACTOR = 12
+VLLM_STREAMS_PER_ACTOR = 18
 
 
 def default_streams_per_actor(model: str, cpu_threads: int, actors: int,

@@ -270,7 +270,7 @@ class EngineConfig(_Strict):
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "
                     "host's cores sustain in real time for the model, vllm its measured knee "
-                    "for sessions aged 30 min (12; orchestrator/capacity.py), other engines 4")
+                    "for sessions aged 30 min (18; orchestrator/capacity.py), other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")

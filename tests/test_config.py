@@ -368,7 +368,7 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     assert cfg.engine.streams_per_actor == 4
     # vllm: the aged knee of bench.voxtral_capacity (orchestrator/capacity.py)
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m}\nstreams: [{id: a, source: push}]")
-    assert cfg.engine.streams_per_actor == VLLM_STREAMS_PER_ACTOR == 12
+    assert cfg.engine.streams_per_actor == VLLM_STREAMS_PER_ACTOR == 18
 
 
 def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
