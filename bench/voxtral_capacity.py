@@ -36,8 +36,9 @@ Like production:
   those levels with sessions first aged M minutes (fed in bulk prompts of 750 frames with
   blanks fed back, re-anchoring as configured: bench.voxtral_age; at most
   `--age-concurrency` sessions per front end in their bulk steps at once, since each holds
-  the KV cache of its whole step), climbing until the first miss (`aged_knee`). vLLM's stock path has no aged steady state (it cannot
-  re-anchor; its sessions end at max_model_len), so it is measured on new sessions only.
+  the KV cache of its whole step), climbing until the first miss (`aged_knee`). vLLM's
+  stock path has no aged steady state (it cannot re-anchor; its sessions end at
+  max_model_len), so it is measured on new sessions only.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -x2 pair,
   so two engines share the GPU's memory as `engines_per_gpu: 2` would.
 - `--max-model-len 16384`: the engine's production default (re-anchoring keeps sessions

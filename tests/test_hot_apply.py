@@ -14,7 +14,9 @@ one it started with, and its audio in Redis runs on without a gap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -22,9 +24,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import websockets
 from redis import Redis as SyncRedis
 from redis.asyncio import Redis
 
@@ -118,6 +122,18 @@ async def _scenario(ev: Event, tmp: Path, url: str) -> None:
                                json={"yaml": "#" * (MAX_BODY_BYTES + 8192)})
         assert huge.status_code == 413, huge.text
         applied_at = time.time()
+        # A viewer of the room to be removed: it gets the drain's last caption, then 4404.
+        viewer = await websockets.connect(
+            ev.base.replace("http", "ws") + "/v1/streams/annex/captions?lang=en&since=0")
+        seen: list[dict[str, Any]] = []
+
+        async def watch() -> int | None:
+            with contextlib.suppress(websockets.ConnectionClosed):
+                async for raw in viewer:
+                    seen.append(json.loads(raw))
+            return viewer.close_code
+
+        watching = asyncio.create_task(watch())
 
         # 1. add a room, remove a room, change a target
         done = await asyncio.to_thread(cli, "apply", str(tmp / "v2.yaml"))
@@ -137,6 +153,10 @@ async def _scenario(ev: Event, tmp: Path, url: str) -> None:
         assert [c.seq for c in annex] == list(range(1, len(annex) + 1))
         drained = re.search(r"removed    annex \(last_seq (\d+)", done.stdout)
         assert drained and int(drained.group(1)) == annex[-1].seq, done.stdout
+        assert await asyncio.wait_for(watching, 30) == 4404, "annex's viewer left open"
+        assert seen[-1].get("code") == "stream_removed", seen[-1]
+        shown = [m["seq"] for m in seen if "seq" in m]
+        assert shown == [c.seq for c in annex], "the viewer missed the end of annex"
         vtt = (tmp / "archives" / "annex" / "en.vtt").read_text()
         for c in finals:  # every final, the one closed by the drain too, is in the file
             assert not c.text or f"\n{c.seq}-{c.segment_id}-" in vtt, (c.seq, vtt[-300:])
@@ -251,3 +271,69 @@ def test_plan_refuses_what_would_interrupt_a_stream_and_changes_nothing() -> Non
     assert "stream 'mic': a push stream" in text
     assert "key_env RTMP_KEY is not set" in text
     assert not _plan(BASE + RTMP, {"RTMP_KEY": "k" * 12}).refused
+
+
+async def test_applies_past_the_rate_bound_are_refused_429_and_the_gateway_serves_on(
+        redis_url: str) -> None:
+    """The admin endpoint's rate bound, on the real gateway: every apply started counts
+    (an invalid file too, as validating costs the gateway), the one past `RATE_PER_MIN`
+    a minute gets 429 with when to retry, and other routes answer as before."""
+    from orchestrator.gateway.admin_apply import RATE_PER_MIN
+    from tests.outputs_support import ADMIN_TOKEN, hall, running_gateway
+
+    async with running_gateway(redis_url, [hall()]) as gw:
+        async with httpx.AsyncClient(base_url=gw.base, timeout=30, headers={
+                "Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+            for _ in range(RATE_PER_MIN):
+                broken = await http.post("/v1/admin/apply", json={"yaml": "streams: [\n"})
+                assert broken.status_code == 422, broken.text
+            refused = await http.post("/v1/admin/apply", json={"yaml": "streams: [\n"})
+            assert refused.status_code == 429, refused.text
+            assert 1 <= int(refused.headers["retry-after"]) <= 61
+            assert (await http.get("/v1/streams")).status_code == 200
+
+
+async def test_a_removed_push_stream_closes_its_publisher_4404_and_spares_the_other(
+        redis_url: str) -> None:
+    """The gateway alone, as every worker follows the orchestrator's stream set (its own
+    room names: the module's event runs meanwhile in the same Redis): when
+    a hot apply removes a push stream, its publisher hears `stream_removed` and 4404 (not
+    a socket left writing audio nobody reads), and the other stream's publisher goes on."""
+    from orchestrator.apply import gateway_view, streams_key
+    from orchestrator.gateway.app import GatewayStream
+    from tests.outputs_support import public_viewers, running_gateway
+    from workers.events import StreamOptions
+
+    def push(sid: str) -> GatewayStream:
+        return GatewayStream(StreamOptions(stream_id=sid, name=sid, source="push",
+                                           language="en"), "push")
+
+    token = "removal-publish-token-0123456789"
+    security = public_viewers(publish={"stage": token, "lobby": token + "-b"})
+    redis = Redis.from_url(redis_url)
+    async with running_gateway(redis_url, [push("stage"), push("lobby")],
+                               security=security) as gw:
+        ws = gw.base.replace("http://", "ws://")
+        async with websockets.connect(
+                f"{ws}/v1/streams/stage/audio",
+                additional_headers={"Authorization": f"Bearer {token}"}) as stage, \
+                websockets.connect(f"{ws}/v1/streams/lobby/audio", additional_headers={
+                    "Authorization": f"Bearer {token}-b"}) as lobby:
+            await lobby.send(bytes(3200))
+            only_stage = gateway_view([push("stage").options], {"stage": "push"})
+            await redis.set(streams_key("Test event"), only_stage)
+            await redis.publish(streams_key("Test event"), "changed")
+            said = json.loads(await asyncio.wait_for(lobby.recv(), 10))
+            assert said["code"] == "stream_removed", said
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await asyncio.wait_for(lobby.recv(), 10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+            for _ in range(3):  # stage's publisher was not touched
+                await stage.send(bytes(3200))
+                await asyncio.sleep(0.1)
+            bus = RedisBus(redis)
+            assert (await bus.last_audio_end("stage"))[0] == 3 * 1600
+            async with httpx.AsyncClient(base_url=gw.base) as http:
+                listed = {s["id"] for s in (await http.get("/v1/streams")).json()}
+            assert listed == {"stage"}
+    await redis.aclose()

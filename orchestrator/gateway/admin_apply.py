@@ -197,8 +197,7 @@ class StreamFollower:
         self._seen = raw
         new = {s.options.stream_id: s for s in streams}
         by_id = self.ctx.by_id  # changed in place: the endpoints hold this dict
-        for sid in [s for s in by_id if s not in new]:
-            del by_id[sid]
+        self.ctx.remove_streams([s for s in by_id if s not in new])
         by_id.update(new)
         self.ctx.push_ids[:] = [s for s, g in new.items() if g.source_kind == "push"]
 

@@ -11,8 +11,10 @@ and reconnects without one. A negative or non-integer `since` is `invalid_since`
 Bounds: clients send nothing here but a close, so a message over `MAX_CLIENT_MESSAGE`
 bytes or more than `MAX_CLIENT_MESSAGES` per window closes the socket (1009 / 1008); a
 client too slow for its finals is closed with 1013 and the seq to resume from; the
-socket closes 4401 when the viewer token it came with expires. Through a Redis restart
-the socket stays open: the hub has it catch up from the Stream once Redis is back.
+socket closes 4401 when the viewer token it came with expires, and 4404
+(`stream_removed`) once a hot apply has removed its stream, after what is left of it.
+Through a Redis restart the socket stays open: the hub has it catch up from the Stream
+once Redis is back.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ MAX_CLIENT_MESSAGE = 1024
 MAX_CLIENT_MESSAGES = 30
 CLIENT_MESSAGE_WINDOW_S = 10.0
 REPLAY_HOLD_S = 30.0
+REMOVED_FLUSH_S = 5.0
+"""A removed stream's socket gets what is left in Redis for at most this long, then 4404."""
 """How long a catch-up read waits for Redis before the client is told to come back."""
 
 
@@ -186,10 +190,22 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
         await Access.refuse(ws, "token_expired", "the viewer token has expired; reconnect "
                             f"with a new one and since={last}", 4401)
 
-    tasks = {asyncio.create_task(pump()), asyncio.create_task(watch_client()),
-             asyncio.create_task(expire())}
+    pumping = asyncio.create_task(pump())
+    removed = asyncio.create_task(ctx.removal(stream_id).wait())
+    tasks = {pumping, asyncio.create_task(watch_client()), asyncio.create_task(expire()),
+             removed}
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        if removed in done and not pumping.done():
+            # A hot apply drained the stream (its open caption closed) and removed it:
+            # send what is left, then say so rather than leave a silent socket open.
+            pumping.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await pumping
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(replay_after(last), REMOVED_FLUSH_S)
+            await Access.refuse(ws, "stream_removed", f"stream {stream_id!r} was removed "
+                                f"from the event; its captions end at seq {last}", 4404)
         for task in done:
             failure = task.exception()
             if isinstance(failure, SlowClient):

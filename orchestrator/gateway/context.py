@@ -3,7 +3,10 @@ push streams' audio clocks, admission, and the counts `/v1/status` shows."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,7 @@ class GatewayContext:
         self._bus: RedisBus | None = None
         self._hub: CaptionHub | None = None
         self.hls: HlsService | None = None
+        self._removed: dict[str, asyncio.Event] = {}
 
     def bind(self, redis: Redis, hub: CaptionHub, hls: HlsOptions) -> None:
         self._redis, self._bus, self._hub = redis, RedisBus(redis), hub
@@ -57,6 +61,43 @@ class GatewayContext:
     def hub(self) -> CaptionHub:
         assert self._hub is not None, "the gateway's lifespan has not started"
         return self._hub
+
+    def remove_streams(self, stream_ids: list[str]) -> None:
+        """Streams a hot apply removed: no new sockets find them, and the open ones hear
+        it (`until_removed`)."""
+        for sid in stream_ids:
+            self.by_id.pop(sid, None)
+            event = self._removed.pop(sid, None)
+            if event is not None:
+                event.set()
+
+    def removal(self, stream_id: str) -> asyncio.Event:
+        """Set when a hot apply removes the stream (a stream added again gets a new one);
+        already set for a stream removed before the socket asked (admitted meanwhile)."""
+        if stream_id not in self.by_id:
+            gone = asyncio.Event()
+            gone.set()
+            return gone
+        return self._removed.setdefault(stream_id, asyncio.Event())
+
+    async def until_removed(self, stream_id: str, work: Awaitable[None]) -> bool:
+        """Run a socket's `work` until it ends (False) or the stream is removed from the
+        event (True: the work is cancelled, and the caller closes the socket)."""
+        task = asyncio.ensure_future(work)
+        waiter = asyncio.create_task(self.removal(stream_id).wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()
+                return False
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return True
+        finally:
+            waiter.cancel()
+            if not task.done():
+                task.cancel()
 
     def languages(self, gs: GatewayStream) -> list[str]:
         return [gs.options.caption_lang, *gs.options.targets]

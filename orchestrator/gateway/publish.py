@@ -150,7 +150,9 @@ async def push_audio_ws(ctx: GatewayContext, ws: WebSocket, stream_id: str) -> N
         return
     admitted, lease = claim
     try:
-        await _push_loop(ctx, ws, stream_id)
+        if await ctx.until_removed(stream_id, _push_loop(ctx, ws, stream_id)):
+            await Access.refuse(ws, "stream_removed", f"stream {stream_id!r} was removed "
+                                "from the event", 4404)
     finally:
         await lease.release()
         _release_publisher(ctx, admitted, stream_id)
