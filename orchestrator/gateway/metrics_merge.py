@@ -295,6 +295,7 @@ class GatewayMetrics:
         self.index = index
         self._aggregator = Aggregator(group) if group is not None and index == 0 else None
         self._server: asyncio.AbstractServer | None = None
+        self._parent = os.getppid()
 
     async def start(self) -> None:
         if self.group is None:
@@ -318,6 +319,10 @@ class GatewayMetrics:
             if self.group is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(self.group.path(self.index))
+                if self.index > 0 and os.getppid() != self._parent:
+                    # Worker 0 died without cleaning up (SIGKILL): its children stop on
+                    # their parent-death signal, and they take the folder away.
+                    self.group.remove()
 
     async def _exposition_bytes(self) -> bytes:
         assert self._aggregator is not None
