@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection, connect
 
-from orchestrator.config import GatewayConfig
+from orchestrator.config import AUTO_GATEWAY_WORKERS_MAX, GatewayConfig, cgroup_cpu_limit
 from orchestrator.gateway.publish import PUBLISHER_GRACE_S
 from orchestrator.gateway.publishers import lease_key
 from orchestrator.redis_server import free_port
@@ -429,8 +429,25 @@ def test_workers_is_a_count_of_processes_or_auto(bad: object) -> None:
         GatewayConfig(workers=bad)
     assert "workers is the number of gateway processes: an integer 1-64 or 'auto'" in str(
         exc.value)
-    assert GatewayConfig(workers="auto").worker_count() >= 1
-    assert GatewayConfig().worker_count() == 1
+    auto = GatewayConfig(workers="auto")
+    assert GatewayConfig().workers == "auto"
+    assert 1 <= auto.worker_count() <= min(AUTO_GATEWAY_WORKERS_MAX, len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(("files", "cores"), [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 2),
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),
+    ({}, None),
+])
+def test_auto_follows_a_containers_cpu_limit(tmp_path: Path, files: dict[str, str],
+                                             cores: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == cores
 
 
 def test_babelcast_gateway_needs_the_redis_url_of_the_run_it_serves(tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ each worker also listens on a private Unix socket in a folder worker 0 creates (
 connection caps (`max_ws_per_ip`, `max_viewers_per_stream`, `max_connections` hold per
 worker, so the port takes up to N times each). The one-publisher-per-push-stream rule is
 held in Redis (`gateway.publishers`), so it holds across workers and machines.
+
+`gateway.workers` defaults to `auto`, one per core (at most 16).
 """
 
 from __future__ import annotations
