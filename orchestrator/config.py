@@ -440,10 +440,10 @@ class GatewayConfig(_Strict):
                                  description="bounds on connections, audio and queues "
                                              "(the connection caps hold per worker)")
     workers: int | Literal["auto"] = Field(
-        default=1,
+        default="auto",
         description="gateway processes serving the port (SO_REUSEPORT), 1-64; 'auto': one "
-                    "per core, at most 16. 1 serves from the run's own process, as "
-                    "/metrics then covers everything; see README, Gateway workers")
+                    "per core, at most 16. /metrics and /v1/status count them all; the "
+                    "connection caps hold per process; see README, Gateway workers")
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -456,16 +456,42 @@ class GatewayConfig(_Strict):
         return v
 
     def worker_count(self) -> int:
-        """`workers` as a number: 'auto' is the cores this process may use, at most 16."""
+        """`workers` as a number: 'auto' is the cores this process may use (its CPU
+        affinity, and a container's CPU limit where one is set), at most 16."""
         if self.workers != "auto":
             return self.workers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
+        quota = cgroup_cpu_limit()
+        if quota is not None:
+            cores = min(cores, quota)
         return max(1, min(AUTO_GATEWAY_WORKERS_MAX, cores))
 
 
 MAX_GATEWAY_WORKERS = 64
 AUTO_GATEWAY_WORKERS_MAX = 16
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Whole cores of this process's cgroup CPU limit, rounded up (a container's
+    `resources.limits.cpu`; affinity does not show it); None without one (cgroup v2
+    `cpu.max`, else v1 `cpu.cfs_quota_us`; only the root cgroup's files are read, which
+    is what a container sees)."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:  # "max": no limit
+        return None
+    if q <= 0 or p <= 0:  # v1 says -1 for none
+        return None
+    return max(1, -(-q // p))
 
 
 def _split_source(source: str) -> tuple[SourceKind, str]:

@@ -9,7 +9,8 @@ Names follow `babelcast_<thing>_<unit>`, counters end in `_total`, labels are
 bounded (see `LABELS`). Two sources:
 
 - `gateway`: the `babelcast run` process (gateway and orchestrator), exported by
-  `prometheus_client` on the gateway's `/metrics` under the name given here.
+  `prometheus_client` on the gateway's `/metrics` under the name given here, summed
+  over the gateway's worker processes (`orchestrator.gateway.metrics_merge`).
 - `ray`: actors (ASR, ingest, translators) through `ray.util.metrics`; each node's
   Ray metrics agent exports them with Ray's namespace prefix, so Prometheus stores
   `ray_babelcast_...` (see `MetricSpec.exposed`) with Ray's own labels added
@@ -199,6 +200,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Requests and WebSockets the gateway refused or closed, by why", "refusal"),
     _gw("babelcast_undecodable_messages_total", "counter",
         "Bus messages skipped as undecodable", "component"),
+    _gw("babelcast_gateway_workers", "gauge",
+        "Gateway processes that serve the port (gateway.workers)"),
+    _gw("babelcast_gateway_workers_scraped", "gauge",
+        "Gateway processes whose figures this scrape holds; below babelcast_gateway_workers "
+        "while one restarts or did not answer in time (its counters stay at their last "
+        "values, its gauges are left out)"),
     # ---- orchestrator (orchestrator/runtime.py) ----
     _gw("babelcast_streams_placed", "gauge", "Streams pinned to each ASR actor", "actor"),
     _gw("babelcast_streams_budget", "gauge",

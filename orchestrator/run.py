@@ -24,6 +24,7 @@ from orchestrator.gateway.app import GatewayStream, create_app
 from orchestrator.gateway.auth import Authenticator, GatewaySecrets, SecretsError
 from orchestrator.gateway.hub import CaptionHub
 from orchestrator.gateway.local_credentials import LocalCredentials
+from orchestrator.gateway.metrics_merge import WorkerGroup
 from orchestrator.gateway.security_config import LimitsConfig
 from orchestrator.gateway.server import listen_socket, uvicorn_config
 from orchestrator.gateway.server import tune_gc as tune_gc  # bench.delivery imports it here
@@ -103,6 +104,7 @@ class ServedGateway:
     port: int
     workers: GatewayWorkers | None = None
     keeper: asyncio.Task[None] | None = None
+    group: WorkerGroup | None = None
 
     async def aclose(self) -> None:
         if self.keeper is not None:
@@ -114,6 +116,8 @@ class ServedGateway:
             await self.workers.aclose()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.task, 10)
+        if self.group is not None:
+            self.group.remove()
 
 
 async def serve_gateway(cfg: EventConfig, redis_url: str,
@@ -124,8 +128,8 @@ async def serve_gateway(cfg: EventConfig, redis_url: str,
     hls = hls_options(cfg.outputs)
     streams = gateway_streams(cfg)
     profiles = (cfg.engine.model,)
-    app = create_app(redis_url, streams, cfg.event, profiles, hls=hls, security=security)
     sockets: list[socket.socket] | None = None
+    group: WorkerGroup | None = None
     if count == 1:
         port = cfg.gateway.port or free_port(host)
     else:
@@ -136,6 +140,9 @@ async def serve_gateway(cfg: EventConfig, redis_url: str,
                       cfg.gateway.port, exc.strerror or exc)
             return None
         sockets, port = [sock], sock.getsockname()[1]
+        group = WorkerGroup.create(count)  # removed by ServedGateway.aclose
+    app = create_app(redis_url, streams, cfg.event, profiles, hls=hls, security=security,
+                     group=group)
     server = _EmbeddedServer(gateway_config(app, host, port, cfg.gateway.limits,
                                             worker=None if count == 1 else 0))
     tune_gc()
@@ -144,13 +151,15 @@ async def serve_gateway(cfg: EventConfig, redis_url: str,
         if task.done():
             log.error("gateway could not listen on %s:%s (port in use?); set gateway.port",
                       host, port)
+            if group is not None:
+                group.remove()
             return None
         await asyncio.sleep(0.05)
-    served = ServedGateway(app, server, task, port)
+    served = ServedGateway(app, server, task, port, group=group)
     if count > 1:
         served.workers = GatewayWorkers(
-            WorkerSpec(redis_url, streams, cfg.event, profiles, security, hls, host, port),
-            count)
+            WorkerSpec(redis_url, streams, cfg.event, profiles, security, hls, host, port,
+                       group), count)
         try:
             await served.workers.start()
         except WorkerError as exc:

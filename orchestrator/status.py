@@ -4,7 +4,8 @@
 actors keep, the event's actors as the runtime registered them in `babelcast:actors`,
 and each language's newest caption) for the gateway's `/v1/status`;
 `render` turns that JSON into the text `babelcast status` prints. Caption text
-is never part of either.
+is never part of either. The gateway adds `clients.gateway_workers` (`count`, and how
+many were `counted`: with several gateway workers the client counts are their sum).
 """
 
 from __future__ import annotations
@@ -268,4 +269,9 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
     lines += ["", f"Clients: {c['total']} connected" + "".join(
         f"; {stream}: " + ", ".join(f"{lang} {n}" for lang, n in langs.items())
         for stream, langs in c["by_stream"].items())]
+    workers = c.get("gateway_workers") or {}
+    if workers.get("count", 1) > 1:
+        lines.append(f"Gateway workers: {workers['count']}, {workers['counted']} counted"
+                     + ("" if workers["counted"] == workers["count"] else
+                        " (the others did not answer in time)"))
     return "\n".join(lines)

@@ -52,7 +52,9 @@ engine: {{kind: embedded, model: tiny.en, actors: 1, streams_per_actor: 2}}
 streams:
   - {{id: room, source: "{AUDIO / 'room-a.flac'}", loop: true, language: en}}
   - {{id: booth, source: push, language: en}}
-gateway: {{host: 127.0.0.1, port: {port}}}
+# One gateway process: the flood's pacing and caps are per process, and a second one
+# would only compete for the 2 cores the flood saturates.
+gateway: {{host: 127.0.0.1, port: {port}, workers: 1}}
 auth: {{admin_token_env: FLOOD_ADMIN, publish_token_env: {{booth: FLOOD_PUBLISH}},
         viewers: public}}
 """)

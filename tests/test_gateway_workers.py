@@ -1,7 +1,8 @@
 """Several gateway processes on one port (`gateway.workers`), as `babelcast gateway`
 starts them: real processes, a real redis-server, real WebSocket clients. Captions are
 published into Redis as an ASR actor publishes them (XADD + PUBLISH); the gateway alone
-delivers them, so these tests need no Ray and no engine."""
+delivers them, so these tests need no Ray and no engine. `/metrics` and `/v1/status`,
+whichever worker answers, count every worker (orchestrator/gateway/metrics_merge.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from websockets.asyncio.client import ClientConnection, connect
 
-from orchestrator.config import GatewayConfig
+from orchestrator.config import AUTO_GATEWAY_WORKERS_MAX, GatewayConfig, cgroup_cpu_limit
 from orchestrator.gateway.publish import PUBLISHER_GRACE_S
 from orchestrator.gateway.publishers import lease_key
 from orchestrator.redis_server import free_port
@@ -32,6 +36,7 @@ from workers.events import CaptionSegment
 pytestmark = pytest.mark.integration
 
 ADMIN, PUBLISH = "admin-" + "a" * 32, "publish-" + "p" * 32
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 WORKER = "x-babelcast-worker"
 RECV_S = 10.0
 
@@ -41,6 +46,8 @@ class Gateway:
     proc: subprocess.Popen[bytes]
     base: str
     log: Path
+    folder: Path | None = None
+    """Its workers' private metric socket folder."""
 
     @property
     def ws(self) -> str:
@@ -54,8 +61,14 @@ class Gateway:
         return pids
 
 
+def metric_folders() -> set[Path]:
+    """The gateway workers' private metric socket folders (metrics_merge.WorkerGroup)."""
+    return set(Path(tempfile.gettempdir()).glob("babelcast-gw-*"))
+
+
 @pytest.fixture
 def gateway(redis_url: str, tmp_path: Path) -> Iterator[Gateway]:
+    folders_before = metric_folders()
     port = free_port()
     cfg = tmp_path / "event.yaml"
     cfg.write_text(f"""
@@ -84,6 +97,9 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
             proc.kill()
             pytest.fail(f"babelcast gateway did not start: {log.read_text()[-3000:]}")
         time.sleep(0.1)
+    new = metric_folders() - folders_before
+    assert len(new) == 1, new
+    (gw.folder,) = new
     try:
         yield gw
     finally:
@@ -98,6 +114,7 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
         assert not [p for p in workers if Path(f"/proc/{p}").exists()
                     and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]], \
             "a gateway worker outlived its parent"
+        assert metric_folders() <= folders_before, "the metric socket folder was left"
 
 
 @pytest.fixture
@@ -141,7 +158,7 @@ async def open_viewer(gw: Gateway, since: int) -> tuple[ClientConnection, str]:
     return ws, ws.response.headers[WORKER]
 
 
-async def viewers_on_both_workers(gw: Gateway, each: int
+async def viewers_on_both_workers(gw: Gateway, each: int, since: int = 0
                                   ) -> list[tuple[Viewer, ClientConnection]]:
     """Connect until `each` clients are on each worker (the kernel spreads connections
     by their address hash, so a few more connections than 2 × each are made)."""
@@ -150,7 +167,7 @@ async def viewers_on_both_workers(gw: Gateway, each: int
     for _ in range(40):
         if all(len(v) >= each for v in by_worker.values()):
             break
-        ws, worker = await open_viewer(gw, 0)
+        ws, worker = await open_viewer(gw, since)
         if len(by_worker[worker]) >= each:
             extra.append(ws)
             continue
@@ -232,6 +249,138 @@ async def test_a_killed_worker_s_clients_resume_with_since_and_it_is_started_aga
     assert "gateway worker 1" in gateway.log.read_text()
 
 
+Series = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+@dataclass
+class Scrape:
+    worker: str
+    series: Series
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of `name`'s series that carry `labels`."""
+        return sum(v for (n, ls), v in self.series.items()
+                   if n == name and set(labels.items()) <= ls)
+
+
+async def scrape(gw: Gateway) -> Scrape:
+    """`/metrics` through the port, on a new connection (so any worker may answer). A
+    worker that is stopped still takes connections (the kernel completes them): one that
+    does not answer is given up on and the next connection tried."""
+    for _ in range(20):
+        async with httpx.AsyncClient(timeout=6.0) as http:
+            try:
+                resp = await http.get(f"{gw.base}/metrics", headers=AS_ADMIN)
+            except httpx.TimeoutException:
+                continue
+        assert resp.status_code == 200, resp.text
+        series = {(s.name, frozenset(s.labels.items())): s.value
+                  for f in text_string_to_metric_families(resp.text) for s in f.samples}
+        return Scrape(resp.headers[WORKER], series)
+    pytest.fail("no worker answered /metrics")
+
+
+async def scrape_each_worker(gw: Gateway) -> dict[str, Scrape]:
+    """A scrape answered by each worker."""
+    by: dict[str, Scrape] = {}
+    for _ in range(40):
+        got = await scrape(gw)
+        by.setdefault(got.worker, got)
+        if set(by) == {"0", "1"}:
+            return by
+    pytest.fail(f"/metrics was answered by workers {sorted(by)} only")
+
+
+async def scrape_until(gw: Gateway, ok: Callable[[Scrape], bool], what: str) -> Scrape:
+    deadline = time.monotonic() + 30
+    while True:
+        got = await scrape(gw)
+        if ok(got):
+            return got
+        assert time.monotonic() < deadline, f"{what}: {got.series}"
+        await asyncio.sleep(0.1)
+
+
+CLIENTS, SENT = "babelcast_gateway_clients", "babelcast_gateway_messages_total"
+DELIVERED = "babelcast_gateway_caption_delivery_seconds_count"
+WORKERS, SCRAPED = "babelcast_gateway_workers", "babelcast_gateway_workers_scraped"
+
+
+async def test_metrics_and_status_through_the_port_count_every_worker(
+        gateway: Gateway, redis: Redis) -> None:
+    assert gateway.folder is not None and gateway.folder.stat().st_mode & 0o777 == 0o700
+    assert {p.name for p in gateway.folder.iterdir()} == {"0.sock", "1.sock"}
+    pairs = await viewers_on_both_workers(gateway, 2)
+    viewers = len(pairs)
+    # Connected clients, on whichever worker answers the scrape: all of them.
+    await scrape_until(gateway, lambda m: m.total(CLIENTS, stream="room") == viewers,
+                       "the clients of both workers")
+    for worker, got in (await scrape_each_worker(gateway)).items():
+        assert got.total(CLIENTS, stream="room", lang="en") == viewers, worker
+        assert got.total(WORKERS) == 2 and got.total(SCRAPED) == 2, worker
+    async with httpx.AsyncClient(timeout=10) as http:
+        answered = set()
+        for _ in range(40):
+            resp = await http.get(f"{gateway.base}/v1/status", headers={
+                **AS_ADMIN, "Connection": "close"})
+            body = resp.json()["clients"]
+            assert body["total"] == viewers and body["by_stream"] == {"room": {"en": viewers}}
+            assert body["gateway_workers"] == {"count": 2, "counted": 2}
+            answered.add(resp.headers[WORKER])
+            if answered == {"0", "1"}:
+                break
+        assert answered == {"0", "1"}
+
+    readers = [asyncio.create_task(follow(gateway, v, ws, 40)) for v, ws in pairs]
+    await publish(redis, 1, 40, per_s=200)
+    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    assert all(v.seqs == list(range(1, 41)) for v, _ in pairs)
+    # What both workers sent, counted once, whichever answers; the clients have left.
+    await scrape_until(gateway, lambda m: m.total(CLIENTS) == 0, "the clients to leave")
+    for worker, got in (await scrape_each_worker(gateway)).items():
+        assert got.total(SENT, stream="room", lang="en") == 40 * viewers, worker
+        assert got.total(DELIVERED, stream="room") == 40 * viewers, worker
+        assert got.total("babelcast_gateway_caption_delivery_seconds_bucket",
+                         stream="room", le="+Inf") == 40 * viewers, worker
+
+
+async def test_a_worker_that_stops_answering_or_dies_leaves_the_scrape_whole(
+        gateway: Gateway, redis: Redis) -> None:
+    pairs = await viewers_on_both_workers(gateway, 1)
+    readers = [asyncio.create_task(follow(gateway, v, ws, 10)) for v, ws in pairs]
+    await publish(redis, 1, 10, per_s=200)
+    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    idle = [ws for _, ws in await viewers_on_both_workers(gateway, 1, since=10)]
+    await scrape_until(gateway, lambda m: m.total(CLIENTS) == 2 and m.total(SENT) == 20,
+                       "both workers' figures")
+    (victim,) = gateway.worker_pids()
+    os.kill(victim, signal.SIGSTOP)  # alive, listening, answering nothing
+    try:
+        got = await scrape(gateway)
+        assert got.worker == "0"
+        assert got.total(WORKERS) == 2 and got.total(SCRAPED) == 1
+        # Its counters stay at what it last said (a drop would read as a counter reset);
+        # its gauges, which may have changed since, are left out.
+        assert got.total(SENT) == 20 and got.total(CLIENTS) == 1
+    finally:
+        os.kill(victim, signal.SIGKILL)
+    # Started again as a new process: the old one's counters stay in the sum.
+    deadline = time.monotonic() + 30
+    while not gateway.worker_pids() - {victim}:
+        assert time.monotonic() < deadline, "the killed worker was not started again"
+        await asyncio.sleep(0.2)
+    await scrape_until(gateway, lambda m: m.total(SCRAPED) == 2, "the new worker 1")
+    for worker, got in (await scrape_each_worker(gateway)).items():
+        assert got.total(SENT) == 20 and got.total(CLIENTS) == 1, worker
+    # Its new counters add to them: 5 captions to worker 0's 2 clients and worker 1's 1.
+    again = [ws for _, ws in await viewers_on_both_workers(gateway, 1, since=10)]
+    await scrape_until(gateway, lambda m: m.total(CLIENTS) == 3, "the new clients")
+    await publish(redis, 11, 15, per_s=200)
+    await scrape_until(gateway, lambda m: m.total(SENT) == 35, "the new messages")
+    for ws in [*idle, *again]:
+        await ws.close()
+
+
 async def test_one_publisher_per_push_stream_holds_across_workers(gateway: Gateway,
                                                                   redis: Redis) -> None:
     headers = {"Authorization": f"Bearer {PUBLISH}"}
@@ -280,8 +429,25 @@ def test_workers_is_a_count_of_processes_or_auto(bad: object) -> None:
         GatewayConfig(workers=bad)
     assert "workers is the number of gateway processes: an integer 1-64 or 'auto'" in str(
         exc.value)
-    assert GatewayConfig(workers="auto").worker_count() >= 1
-    assert GatewayConfig().worker_count() == 1
+    auto = GatewayConfig(workers="auto")
+    assert GatewayConfig().workers == "auto"
+    assert 1 <= auto.worker_count() <= min(AUTO_GATEWAY_WORKERS_MAX, len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(("files", "cores"), [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 2),
+    ({"cpu.max": "50000 100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),
+    ({}, None),
+])
+def test_auto_follows_a_containers_cpu_limit(tmp_path: Path, files: dict[str, str],
+                                             cores: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_limit(tmp_path) == cores
 
 
 def test_babelcast_gateway_needs_the_redis_url_of_the_run_it_serves(tmp_path: Path) -> None:

@@ -50,7 +50,9 @@ HEAD = """
 event: hot apply test
 redis: {{url: "{url}"}}
 engine: {{kind: embedded, model: tiny.en, actors: 1, streams_per_actor: 3, cpu_threads: 1}}
-gateway: {{host: 127.0.0.1, port: {port}}}
+# One gateway process: the test reads the new stream set right after the apply answers;
+# other workers follow it through Redis moments later (admin_apply.StreamFollower).
+gateway: {{host: 127.0.0.1, port: {port}, workers: 1}}
 auth: {{admin_token_env: HOT_APPLY_ADMIN_TOKEN, viewers: public}}
 outputs: {{archive: {{dir: archives}}}}
 """

@@ -66,7 +66,7 @@ redis: {{url: "{redis_url}"}}
 engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 2}}
 streams:
 {streams}
-gateway: {{host: 127.0.0.1, port: {port}}}
+gateway: {{host: 127.0.0.1, port: {port}, workers: 1}}  # about languages: one is enough
 auth: {{admin_token_env: LANGUAGES_ADMIN_TOKEN, viewers: public}}
 """)
     # Captions are public here (tests/test_auth.py covers viewer tokens).

@@ -1,7 +1,9 @@
 """`babelcast run` as an operator runs it on loopback without an `auth` section (the
 demo): per-run tokens in a file only its user reads, the CLI finds them, nothing is
 open without them; SIGKILL of the run leaves no process behind (local redis-server,
-Ray and its agents, actor workers), and a new run on the same port starts at once.
+Ray and its agents, actor workers, the other gateway workers: `gateway.workers` is
+'auto' here) nor their metric socket folder, and a new run on the same port starts at
+once.
 The reaper on its own: a process that lost the run's mark from its environment (as
 Ray's agents do when they rename themselves) dies with the run too."""
 
@@ -13,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from orchestrator.config import GatewayConfig
 from orchestrator.redis_server import free_port
 from tests.speech import AUDIO
 
@@ -126,6 +130,11 @@ gateway: {{host: 127.0.0.1, port: {port}}}
     runtime = tmp_path / "run"
     env = {**os.environ, "BABELCAST_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1"}
     env.pop("BABELCAST_TOKEN", None)
+
+    def metric_folders() -> set[Path]:  # orchestrator.gateway.metrics_merge.WorkerGroup
+        return set(Path(tempfile.gettempdir()).glob("babelcast-gw-*"))
+
+    folders = metric_folders()
     proc = start(cfg, port, env)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -168,6 +177,8 @@ gateway: {{host: 127.0.0.1, port: {port}}}
         children = {p for p in descendants(proc.pid) if alive(p)}
         names = {p: cmdline(p)[:60] for p in children}
         assert any(b"redis-server" in n for n in names.values())
+        if GatewayConfig().worker_count() > 1:
+            assert any(b"orchestrator.gateway.workers" in cmdline(p) for p in children), names
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -176,6 +187,10 @@ gateway: {{host: 127.0.0.1, port: {port}}}
         time.sleep(0.2)
     left = {p: names[p] for p in children if alive(p)}
     assert not left, f"left behind: {left}"
+    deadline = time.monotonic() + 10
+    while metric_folders() - folders and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not metric_folders() - folders, "the gateway workers' socket folder was left"
     # The port is free again at once (TIME_WAIT connections do not count as in use).
     again = start(cfg, port, env)
     try:

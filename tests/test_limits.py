@@ -268,3 +268,30 @@ async def test_a_client_too_slow_for_its_finals_is_closed_1013_and_resumes_witho
         while got[-1] < N:
             got.append(json.loads(await asyncio.wait_for(again.recv(), RECV_S))["seq"])
     assert got == list(range(1, N + 1))
+
+
+@pytest.mark.integration
+async def test_clients_that_leave_right_after_connecting_give_their_places_back(
+    redis_url: str, bus: RedisBus,
+) -> None:
+    """A client that closes while its replay is read from Redis: its handler ends, so it
+    is no longer counted and its per-IP and per-stream places are free (on Python 3.11 the
+    cancellation could be lost in that read and the handler waited for good)."""
+    for seq in range(1, 51):
+        await bus.publish_caption(caption(seq, seq, "words", 0, 1, stream="hall"))
+    security = public_viewers(LimitsConfig(max_ws_per_ip=4, max_viewers_per_stream=4))
+    async with running_gateway(redis_url, streams(), security=security) as gw:
+        ws = gw.base.replace("http://", "ws://") + "/v1/streams/hall/captions?lang=en"
+        for n in range(40):  # from the live edge: each reads an empty replay
+            c = await websockets.connect(ws if n % 2 else f"{ws}&since=50")
+            await c.close()
+        ctx = gw.app.state.context
+        deadline = time.monotonic() + RECV_S
+        while sum(ctx.clients.values()):
+            assert time.monotonic() < deadline, dict(ctx.clients)
+            await asyncio.sleep(0.05)
+        # Every place is free again: four clients at once, each served its replay.
+        held = [await websockets.connect(f"{ws}&since=49") for _ in range(4)]
+        for c in held:
+            assert json.loads(await asyncio.wait_for(c.recv(), RECV_S))["seq"] == 50
+            await c.close()

@@ -64,6 +64,8 @@ streams:
   - {{id: talk, source: "{talk}", language: en, targets: [pt, es]}}
   - {{id: broken, source: "http://127.0.0.1:{dead}/live.mp3", language: en}}
   - {{id: pushed, source: push, language: en}}
+# gateway.workers as by default ('auto': one per core): clients, pushes and the realtime
+# endpoint land on any of them
 gateway: {{host: 127.0.0.1, port: {port}}}
 """ + AUTH)
     ev = start_event(cfg, port, ENV)
@@ -389,7 +391,7 @@ engine:
   token_env: PIPELINE_PUSH_TOKEN
 streams:
   - {{id: relay, source: "{AUDIO / 'room-a.flac'}", language: en}}
-gateway: {{host: 127.0.0.1, port: {port}}}
+gateway: {{host: 127.0.0.1, port: {port}, workers: 1}}  # the main event runs 'auto'; one here
 auth: {{admin_token_env: PIPELINE_ADMIN_TOKEN, viewers: public}}
 """)
     relay = start_event(cfg, port, ENV)

@@ -16,10 +16,11 @@ Routes and who may use them (see `auth` for the token kinds, `access` for admiss
 With `auth.viewers: public`, viewer routes need no token.
 
 `/v1/status` serves the event's headline figures (`babelcast status` prints them)
-and `/metrics` the gateway's and orchestrator's Prometheus metrics. Also served here:
-`/` (the streams, with overlay links carrying a viewer token), the overlay page
-`/overlay/{id}?lang=xx` with its static files under `/static/`, and live HLS WebVTT
-playlists `/hls/{id}/{lang}.m3u8` with segments `/hls/{id}/{lang}/{n}.vtt`.
+and `/metrics` the gateway's and orchestrator's Prometheus metrics; with several gateway
+workers, both count every worker of the port, whichever answers (see `metrics_merge`).
+Also served here: `/` (the streams, with overlay links carrying a viewer token), the
+overlay page `/overlay/{id}?lang=xx` with its static files under `/static/`, and live HLS
+WebVTT playlists `/hls/{id}/{lang}.m3u8` with segments `/hls/{id}/{lang}/{n}.vtt`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from fastapi.responses import (
     Response,
 )
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import BlockingConnectionPool, Redis
 
@@ -60,6 +61,7 @@ from orchestrator.gateway.captions_ws import captions_ws
 from orchestrator.gateway.context import GatewayContext, GatewayStream
 from orchestrator.gateway.health import readiness
 from orchestrator.gateway.hub import CaptionHub
+from orchestrator.gateway.metrics_merge import GatewayMetrics, WorkerGroup
 from orchestrator.gateway.pages import STATIC_DIR, index_html, linebreak_script
 from orchestrator.gateway.publish import push_audio_ws, realtime_ws
 from orchestrator.gateway.transcripts import Format, Profile, TranscriptExporter
@@ -87,16 +89,20 @@ class TokenRequest(BaseModel):
 
 def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "",
                engine_profiles: tuple[str, ...] = (), *, security: GatewaySecurity,
-               hls: HlsOptions | None = None) -> FastAPI:
+               hls: HlsOptions | None = None, group: WorkerGroup | None = None,
+               worker_index: int = 0) -> FastAPI:
     """`engine_profiles`: names `/v1/realtime` clients may ask for in session.update;
     with one profile (or none named) any model name selects it. `security`: tokens,
     allowed origins and limits. `hls`: the live HLS WebVTT playlists (default options
-    when None; `enabled=False` turns them off)."""
+    when None; `enabled=False` turns them off). `group`, `worker_index`: with several
+    gateway workers on the port, where they reach each other and which one this is
+    (`/metrics` and `/v1/status` then count all of them)."""
     hls_options = hls or HlsOptions()
     access = Access(security)
     ctx = GatewayContext(streams, access, engine_profiles)
     by_id = ctx.by_id
     exporter = TranscriptExporter(ctx)
+    figures = GatewayMetrics(group, worker_index)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -109,9 +115,11 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         ctx.bind(redis, hub, hls_options)
         _app.state.hub = hub
         follower = await admin_apply.StreamFollower(ctx, event_name, redis_url).start()  # hot apply
+        await figures.start()
         try:
             yield
         finally:
+            await figures.aclose()
             await follower.aclose()
             await hub.stop()
             await redis.aclose()
@@ -160,19 +168,25 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
         require(request, can_scrape, "reading metrics")
-        return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        body = await figures.exposition()
+        if body is None:  # worker 0 sums for the port (metrics_merge): not this time
+            return PlainTextResponse("gateway worker 0 did not answer in time; retry",
+                                     status_code=503)
+        return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status")
     async def event_status(request: Request) -> JSONResponse:
         """The headline figures `babelcast status` prints (see orchestrator/status.py)."""
         require(request, is_admin, "the event status")
+        clients, workers, counted = await figures.clients(ctx.clients)
         try:
             body = await collect_status(ctx.bus, [s.options for s in by_id.values()],
-                                        event_name, dict(ctx.clients))
+                                        event_name, dict(clients))
         except Exception as exc:
             metrics.REDIS_ERRORS.labels(component="gateway").inc()
             return JSONResponse({"error": f"status unavailable: {type(exc).__name__}"},
                                 status_code=503)
+        body["clients"]["gateway_workers"] = {"count": workers, "counted": counted}
         return JSONResponse(body)
 
     @app.post("/v1/tokens")

@@ -98,6 +98,25 @@ async def _admitted(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stre
         ctx.access.caps.remove_viewer(stream_id)
 
 
+async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancel `tasks` and wait until each has ended, cancelling again those that carry on.
+    On Python 3.11 `asyncio.wait_for` (under redis-py's reads) drops a cancellation that
+    arrives as the awaited result does (CPython gh-86296): a client that closed during its
+    replay read left its pump waiting for captions for good, and with it the handler, the
+    client gauge, its caps and its hub subscription (half of 30 clients that closed right
+    after connecting stayed counted)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # as before: the clean-up runs
+            await asyncio.wait(pending, timeout=0.5)
+        pending = {t for t in pending if not t.done()}
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()  # retrieved: the handler above reported what mattered
+
+
 async def _unavailable(ws: WebSocket) -> None:
     metrics.GATEWAY_REFUSALS.labels(refusal="unavailable").inc()
     await Access.refuse(ws, "unavailable", "captions are unavailable for a moment (Redis); "
@@ -216,10 +235,7 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
             elif isinstance(failure, RETRYABLE):
                 await _unavailable(ws)
     finally:
-        for t in tasks:
-            t.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await _cancel_all(tasks)
         gauge.dec()
         ctx.clients[(stream_id, lang)] -= 1
         await ctx.hub.unsubscribe(key, queue)

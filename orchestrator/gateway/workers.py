@@ -20,11 +20,15 @@ dying within `STABLE_S`); its clients' sockets closed with it, and they reconnec
 `since` to any worker and miss nothing (the captions WebSocket replays from the Redis
 Stream). Each worker gets the parent-death signal, so none outlives its parent.
 
-What stays per process (see README, "Gateway workers"): the connection caps
-(`max_ws_per_ip`, `max_viewers_per_stream`, `max_connections` hold per worker, so the
-port takes up to N times each), `/metrics` (the answering process's own counters),
-and `/v1/status`'s client counts. The one-publisher-per-push-stream rule is held in
-Redis (`gateway.publishers`), so it holds across workers and machines.
+`/metrics` and `/v1/status`'s client counts cover every worker, whichever answers:
+each worker also listens on a private Unix socket in a folder worker 0 creates (mode
+0700; its path travels in `WorkerSpec.group`), and worker 0 sums the others' figures
+(`metrics_merge`). What stays per process (see README, "Gateway workers"): the
+connection caps (`max_ws_per_ip`, `max_viewers_per_stream`, `max_connections` hold per
+worker, so the port takes up to N times each). The one-publisher-per-push-stream rule is
+held in Redis (`gateway.publishers`), so it holds across workers and machines.
+
+`gateway.workers` defaults to `auto`, one per core (at most 16).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 
 from orchestrator.gateway.access import GatewaySecurity
 from orchestrator.gateway.context import GatewayStream
+from orchestrator.gateway.metrics_merge import WorkerGroup
 from orchestrator.outputs.hls import HlsOptions
 
 log = logging.getLogger(__name__)
@@ -67,6 +72,9 @@ class WorkerSpec:
     hls: HlsOptions | None
     host: str
     port: int
+    group: WorkerGroup | None = None
+    """Where the workers' private metric sockets are (`metrics_merge`); None: each
+    serves its own figures (bench.delivery)."""
 
 
 class WorkerError(Exception):
@@ -222,7 +230,8 @@ def _worker_main(index: int) -> int:
                   spec.port, exc)
         return 2
     app = create_app(spec.redis_url, spec.streams, spec.event_name, spec.engine_profiles,
-                     security=spec.security, hls=spec.hls)
+                     security=spec.security, hls=spec.hls, group=spec.group,
+                     worker_index=index)
     server = uvicorn.Server(uvicorn_config(app, spec.host, spec.port,
                                            spec.security.limits, worker=index))
     tune_gc()
