@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import time
+from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
@@ -98,7 +99,7 @@ async def _admitted(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stre
         ctx.access.caps.remove_viewer(stream_id)
 
 
-async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
+async def _cancel_all(tasks: set[asyncio.Task[Any]]) -> None:
     """Cancel `tasks` and wait until each has ended, cancelling again those that carry on.
     On Python 3.11 `asyncio.wait_for` (under redis-py's reads) drops a cancellation that
     arrives as the awaited result does (CPython gh-86296): a client that closed during its
@@ -218,9 +219,7 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
         if removed in done and not pumping.done():
             # A hot apply drained the stream (its open caption closed) and removed it:
             # send what is left, then say so rather than leave a silent socket open.
-            pumping.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pumping
+            await _cancel_all({pumping})
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(replay_after(last), REMOVED_FLUSH_S)
             await Access.refuse(ws, "stream_removed", f"stream {stream_id!r} was removed "

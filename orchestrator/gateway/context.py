@@ -90,9 +90,12 @@ class GatewayContext:
             if task.done():
                 task.result()
                 return False
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            while not task.done():  # again if a cancellation was lost (CPython gh-86296)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({task}, timeout=0.5)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                task.result()
             return True
         finally:
             waiter.cancel()
