@@ -295,12 +295,13 @@ async def test_applies_past_the_rate_bound_are_refused_429_and_the_gateway_serve
             assert (await http.get("/v1/streams")).status_code == 200
 
 
-async def test_a_removed_push_stream_closes_its_publisher_4404_and_spares_the_other(
+async def test_removed_push_streams_close_their_publishers_4404_and_spare_the_other(
         redis_url: str) -> None:
     """The gateway alone, as every worker follows the orchestrator's stream set (its own
     room names: the module's event runs meanwhile in the same Redis): when
-    a hot apply removes a push stream, its publisher hears `stream_removed` and 4404 (not
-    a socket left writing audio nobody reads), and the other stream's publisher goes on."""
+    a hot apply removes push streams, their publishers (a push socket, a /v1/realtime
+    session) hear `stream_removed` and 4404 (not sockets left writing audio nobody reads),
+    and the other stream's publisher goes on."""
     from orchestrator.apply import gateway_view, streams_key
     from orchestrator.gateway.app import GatewayStream
     from tests.outputs_support import public_viewers, running_gateway
@@ -311,16 +312,20 @@ async def test_a_removed_push_stream_closes_its_publisher_4404_and_spares_the_ot
                                            language="en"), "push")
 
     token = "removal-publish-token-0123456789"
-    security = public_viewers(publish={"stage": token, "lobby": token + "-b"})
+    security = public_viewers(publish={"stage": token, "lobby": token + "-b",
+                                       "foyer": token + "-c"})
     redis = Redis.from_url(redis_url)
-    async with running_gateway(redis_url, [push("stage"), push("lobby")],
+    async with running_gateway(redis_url, [push("stage"), push("lobby"), push("foyer")],
                                security=security) as gw:
         ws = gw.base.replace("http://", "ws://")
         async with websockets.connect(
                 f"{ws}/v1/streams/stage/audio",
                 additional_headers={"Authorization": f"Bearer {token}"}) as stage, \
                 websockets.connect(f"{ws}/v1/streams/lobby/audio", additional_headers={
-                    "Authorization": f"Bearer {token}-b"}) as lobby:
+                    "Authorization": f"Bearer {token}-b"}) as lobby, \
+                websockets.connect(f"{ws}/v1/realtime?stream=foyer", additional_headers={
+                    "Authorization": f"Bearer {token}-c"}) as foyer:
+            assert json.loads(await foyer.recv())["type"] == "session.created"
             await lobby.send(bytes(3200))
             only_stage = gateway_view([push("stage").options], {"stage": "push"})
             await redis.set(streams_key("Test event"), only_stage)
@@ -329,6 +334,12 @@ async def test_a_removed_push_stream_closes_its_publisher_4404_and_spares_the_ot
             assert said["code"] == "stream_removed", said
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await asyncio.wait_for(lobby.recv(), 10)
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
+            # The realtime (OpenAI-style) publisher of a removed stream hears it too.
+            said = json.loads(await asyncio.wait_for(foyer.recv(), 10))
+            assert said["type"] == "error" and said["code"] == "stream_removed", said
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await asyncio.wait_for(foyer.recv(), 10)
             assert closed.value.rcvd is not None and closed.value.rcvd.code == 4404
             for _ in range(3):  # stage's publisher was not touched
                 await stage.send(bytes(3200))

@@ -238,7 +238,12 @@ async def realtime_ws(ctx: GatewayContext, ws: WebSocket) -> None:
                                   precommit_max_s=ctx.limits.realtime_precommit_max_s,
                                   admit=pacer.admit))
         try:
-            await conn.run()
+            if await ctx.until_removed(stream_id, conn.run()):
+                with contextlib.suppress(Exception):
+                    await conn.stop_listening()
+                    await ws.send_text(error_event("stream_removed", f"stream {stream_id!r} "
+                                                   "was removed from the event"))
+                    await ws.close(code=4404)
         except RateLimited:
             metrics.GATEWAY_REFUSALS.labels(refusal="rate").inc()
             with contextlib.suppress(Exception):
