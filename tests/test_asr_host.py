@@ -244,3 +244,49 @@ async def test_seq_and_segment_ids_continue_after_host_restart(
     after = await bus.captions_after("talk", "en", last_seq)
     assert [c.seq for c in after] == list(range(last_seq + 1, last_seq + 1 + len(after)))
     assert all(c.segment_id > last_segment for c in after)
+
+
+async def test_an_actor_cut_off_cannot_write_once_another_took_its_stream(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    """A node lost to Ray leaves its actor running for a while (~15 s on the failover
+    bench) while the stream moves to another actor. Both read the stream's audio; only
+    the new owner may publish: the old one is refused at its next caption and lets the
+    stream go, so seq stays contiguous, no final is doubled and none is left open."""
+    from dataclasses import replace
+
+    split = 7 * SAMPLE_RATE * 2
+    first, second = room_b[:split], room_b[split:] + TRAILING_SILENCE
+
+    async def has_final() -> bool:
+        return any(c.is_final for c in await bus.captions_after("talk", "en", 0))
+
+    old = AsrHost(replace(host_options(redis_url), actor_id="asr-old"), real_engine())
+    new = AsrHost(replace(host_options(redis_url), actor_id="asr-new"), real_engine())
+    try:
+        await asyncio.wait_for(old.start(), 60)
+        await old.add_stream(stream_options("talk"))
+        pos = await asyncio.wait_for(feed(bus, "talk", first), 20)
+        await eventually(has_final, CAPTIONS_TIMEOUT_S, "a final from the first owner")
+        taken_at = (await bus.captions_after("talk", "en", 0))[-1].seq
+        await asyncio.wait_for(new.start(), 60)
+        await new.add_stream(stream_options("talk"))  # the old owner is never told
+        await asyncio.wait_for(feed(bus, "talk", second, pos=pos), 20)
+
+        async def settled() -> bool:
+            caps = await bus.captions_after("talk", "en", taken_at)
+            return bool(caps) and caps[-1].is_final and "talk" not in old.streams()
+
+        await eventually(settled, CAPTIONS_TIMEOUT_S, "the new owner's last final")
+        owners = (old.streams(), new.streams())
+    finally:
+        await asyncio.wait_for(old.stop(), 30)
+        await asyncio.wait_for(new.stop(), 30)
+    caps = await bus.captions_after("talk", "en", 0)
+    assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq has a hole"
+    finals = [c.segment_id for c in caps if c.is_final and c.text]
+    assert len(finals) == len(set(finals)), "a caption was made final twice"
+    assert {c.segment_id for c in caps if c.text} <= {c.segment_id for c in caps
+                                                     if c.is_final}, "a caption left open"
+    assert (await bus.get_status("talk"))["asr_actor"] == "asr-new"
+    assert owners == ([], ["talk"]), owners

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -89,10 +90,18 @@ class AsrHostOptions:
     streams."""
 
 
+class Fenced(Exception):
+    """Another runner claimed the stream: this one must not publish for it again."""
+
+
 class _StreamRunner:
     def __init__(self, host: AsrHost, opts: StreamOptions) -> None:
         self.host = host
         self.opts = opts
+        # This runner's claim on the stream's captions (bus.claim_stream): an actor cut
+        # off from Ray goes on captioning for a while (~15 s after its node's raylet died)
+        # and must not write once the stream's new owner has claimed it.
+        self.owner = f"{host.options.actor_id}:{uuid.uuid4().hex[:12]}"
         self.walls = WallMap()
         self.session: SessionManager | None = None
         self._exported: dict[str, float] = {}
@@ -128,6 +137,11 @@ class _StreamRunner:
         a caption it left open is decoded again and goes on; otherwise it is closed as
         it was shown."""
         lang = self.opts.caption_lang
+        # Claimed before anything is read: a previous owner still running can then no
+        # longer publish after what this runner reads as the stream's last caption.
+        await retry_redis(functools.partial(self.bus.claim_stream, self.opts.stream_id,
+                                            self.owner),
+                          what=f"stream {self.opts.stream_id}", log=log)
         last = await self.bus.last_caption(self.opts.stream_id, lang)
         # The Stream's last generated id, not its last entry: it stays when entries were
         # trimmed or when Redis came back empty and orchestrator.epoch set the floor.
@@ -146,7 +160,8 @@ class _StreamRunner:
                 self.segmenter.resume(last)
             else:
                 closed = self.segmenter.close(last)
-                await retry_redis(functools.partial(self.bus.publish_caption, closed),
+                await retry_redis(functools.partial(self.bus.publish_caption, closed,
+                                                    self.owner),
                                   what=f"stream {self.opts.stream_id}", log=log)
         self.session = self._open()
         self._zero_series()
@@ -217,8 +232,10 @@ class _StreamRunner:
         for seg in self.segmenter.feed(delta):
             # Held until Redis takes it: its seq is given, and a seq never published
             # would be a hole every client sees.
-            await retry_redis(functools.partial(self.bus.publish_caption, seg),
-                              what=f"stream {self.opts.stream_id}", log=log)
+            if not await retry_redis(functools.partial(self.bus.publish_caption, seg,
+                                                       self.owner),
+                                     what=f"stream {self.opts.stream_id}", log=log):
+                raise Fenced(self.opts.stream_id)
             self._count_caption(seg)
             if seg.is_final and seg.text:
                 await self._save_cursor(seg)
@@ -303,6 +320,11 @@ class _StreamRunner:
                 return
             except asyncio.CancelledError:
                 raise
+            except Fenced:
+                log.warning("stream %s: another actor owns it now; this one stops it",
+                            stream)
+                self.host.let_go(stream, self)
+                return
             except Exception as exc:
                 self.failures += 1
                 log.warning("stream %s: session failed (%s); opening a new one", stream,
@@ -370,6 +392,7 @@ class AsrHost:
         self._redis: Redis | None = None
         self._bus: RedisBus | None = None
         self._runners: dict[str, _StreamRunner] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self._cursors: dict[str, str] = {}
         self._reader: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -435,6 +458,18 @@ class AsrHost:
             with contextlib.suppress(*RETRYABLE):
                 await self.bus.incr_status(sid, "resume_skipped_s", round(skipped_s, 3))
         self._wake.set()
+
+    def let_go(self, stream_id: str, runner: _StreamRunner) -> None:
+        """`runner` lost the stream to another actor (Fenced): stop reading for it. Its
+        session is closed in the background (the runner's own task is the caller)."""
+        if self._runners.get(stream_id) is not runner:
+            return
+        self._runners.pop(stream_id, None)
+        self._cursors.pop(stream_id, None)
+        if runner.session is not None:
+            session, runner.session = runner.session, None
+            self._background.add(task := asyncio.create_task(session.aclose()))
+            task.add_done_callback(self._background.discard)
 
     async def remove_stream(self, stream_id: str) -> None:
         self._cursors.pop(stream_id, None)

@@ -65,6 +65,28 @@ def cursor_key(stream: str) -> str:
     return f"asr:cursor:{stream}"
 
 
+def owner_key(stream: str) -> str:
+    """The token of the ASR runner that owns the stream's captions (`claim_stream`)."""
+    return f"asr:owner:{stream}"
+
+
+# Publish a caption only for the stream's owner: an actor cut off from Ray (its node lost)
+# goes on for a while and must not write after the stream's new owner took it over.
+# A missing owner (Redis came back empty) is taken by the first runner that publishes.
+_PUBLISH_OWNED = """
+local owner = redis.call('GET', KEYS[2])
+if owner and owner ~= ARGV[4] then return -1 end
+if not owner then redis.call('SET', KEYS[2], ARGV[4]) end
+local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'd', ARGV[2])
+if type(ok) == 'table' and ok.err then
+  if string.find(ok.err, 'equal or smaller', 1, true) then return 0 end
+  return redis.error_reply(ok.err)
+end
+redis.call('PUBLISH', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 def entry_ms(entry_id: str) -> int:
     """The millisecond part of a Redis Stream entry id (Redis's clock when it was added)."""
     return int(entry_id.split("-", 1)[0])
@@ -166,6 +188,7 @@ class RedisBus:
         # method below decodes the one shape its command returns.
         self.redis: Any = redis
         self.undecodable = 0
+        self._publish_owned: Any = None
 
     # ---- audio -------------------------------------------------------------
     async def add_audio(self, chunk: AudioChunk) -> str:
@@ -248,12 +271,30 @@ class RedisBus:
         return out
 
     # ---- captions ----------------------------------------------------------
-    async def publish_caption(self, seg: CaptionSegment) -> None:
+    async def claim_stream(self, stream: str, token: str) -> None:
+        """Make `token` the stream's caption owner: publications with another owner
+        token are refused from now on (see `publish_caption`)."""
+        await self.redis.set(owner_key(stream), token)
+
+    async def publish_caption(self, seg: CaptionSegment, owner: str | None = None) -> bool:
         """XADD at id `{seq}-0` and PUBLISH. Safe to call again after a connection
         error: an entry that did reach the Stream is not written twice (the live copy
-        may be missing; the gateway catches its clients up from the Stream)."""
+        may be missing; the gateway catches its clients up from the Stream).
+
+        With `owner`, atomically and only while `owner` is the stream's claimed owner
+        (`claim_stream`): False, and nothing written, once another runner claimed it."""
         key = captions_key(seg.stream, seg.lang)
         payload = caption_to_json(seg)
+        if owner is not None:
+            if self._publish_owned is None:  # EVALSHA from then on
+                self._publish_owned = self.redis.register_script(_PUBLISH_OWNED)
+            done = int(await self._publish_owned(
+                keys=[key, owner_key(seg.stream)],
+                args=[f"{seg.seq}-0", payload, CAPTIONS_MAXLEN, owner]))
+            if done == 0:
+                log.warning("%s seq %d is already in its Stream; not written again", key,
+                            seg.seq)
+            return done >= 0
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(key, {"d": payload}, id=f"{seg.seq}-0", maxlen=CAPTIONS_MAXLEN,
                       approximate=True)
@@ -265,6 +306,7 @@ class RedisBus:
                     raise
                 log.warning("%s seq %d is already in its Stream; not written again", key,
                             seg.seq)
+        return True
 
     async def last_seq(self, stream: str, lang: str) -> int:
         """The highest seq ever given on (stream, lang): the Stream's last generated id,
