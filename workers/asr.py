@@ -214,16 +214,14 @@ class _StreamRunner:
         return replace(delta, committed=tuple(w for w in delta.committed if w.end_s > floor),
                        tentative=tuple(w for w in delta.tentative if w.end_s > floor))
 
-    async def _save_cursor(self, seg: CaptionSegment) -> None:
+    def _cursor_for(self, seg: CaptionSegment) -> tuple[str, float] | None:
+        """Where a new owner resumes after this final: the last audio entry that ended
+        at or before it, and its end (words up to there are captioned)."""
+        if not (seg.is_final and seg.text):
+            return None
         end = round(seg.audio_end_s * SAMPLE_RATE)
         after = next((i for i, e in reversed(self._consumed) if e <= end), None)
-        if after is None:
-            return
-        try:
-            await self.bus.save_cursor(self.opts.stream_id, after, seg.audio_end_s)
-        except RETRYABLE as exc:  # the next final writes it again
-            log.warning("stream %s: cursor not written: %s", self.opts.stream_id,
-                        type(exc).__name__)
+        return None if after is None else (after, seg.audio_end_s)
 
     async def _publish(self, delta: TranscriptDelta) -> None:
         assert self.segmenter is not None
@@ -232,13 +230,12 @@ class _StreamRunner:
         for seg in self.segmenter.feed(delta):
             # Held until Redis takes it: its seq is given, and a seq never published
             # would be a hole every client sees.
+            # The cursor moves with the final, in one step (see publish_caption).
             if not await retry_redis(functools.partial(self.bus.publish_caption, seg,
-                                                       self.owner),
+                                                       self.owner, self._cursor_for(seg)),
                                      what=f"stream {self.opts.stream_id}", log=log):
                 raise Fenced(self.opts.stream_id)
             self._count_caption(seg)
-            if seg.is_final and seg.text:
-                await self._save_cursor(seg)
             fields: dict[str, str | float | int] = {
                 "asr_state": "captioning",
                 "last_caption_at": seg.emit_time,

@@ -77,12 +77,18 @@ _PUBLISH_OWNED = """
 local owner = redis.call('GET', KEYS[2])
 if owner and owner ~= ARGV[4] then return -1 end
 if not owner then redis.call('SET', KEYS[2], ARGV[4]) end
+local function cursor()
+  if ARGV[5] ~= '' then
+    redis.call('HSET', KEYS[3], 'after_id', ARGV[5], 'final_end_s', ARGV[6], 'at', ARGV[7])
+  end
+end
 local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], ARGV[1], 'd', ARGV[2])
 if type(ok) == 'table' and ok.err then
-  if string.find(ok.err, 'equal or smaller', 1, true) then return 0 end
+  if string.find(ok.err, 'equal or smaller', 1, true) then cursor() return 0 end
   return redis.error_reply(ok.err)
 end
 redis.call('PUBLISH', KEYS[1], ARGV[2])
+cursor()
 return 1
 """
 
@@ -231,14 +237,10 @@ class RedisBus:
         entries = await self.redis.xrevrange(audio_key(stream), count=1)
         return as_str(entries[0][0]) if entries else "0-0"
 
-    async def save_cursor(self, stream: str, after_id: str, final_end_s: float) -> None:
+    async def load_cursor(self, stream: str) -> tuple[str, float] | None:
         """Where a new owner of the stream resumes: after audio entry `after_id` (the
         last one that ended at or before the last final), words up to `final_end_s`
-        already captioned."""
-        await self.redis.hset(cursor_key(stream), mapping={
-            "after_id": after_id, "final_end_s": repr(final_end_s), "at": repr(time.time())})
-
-    async def load_cursor(self, stream: str) -> tuple[str, float] | None:
+        already captioned. Written with each final (`publish_caption`'s `cursor`)."""
         raw = await self.redis.hgetall(cursor_key(stream))
         try:
             return as_str(raw[b"after_id"]), float(raw[b"final_end_s"])
@@ -276,21 +278,27 @@ class RedisBus:
         token are refused from now on (see `publish_caption`)."""
         await self.redis.set(owner_key(stream), token)
 
-    async def publish_caption(self, seg: CaptionSegment, owner: str | None = None) -> bool:
+    async def publish_caption(self, seg: CaptionSegment, owner: str | None = None,
+                              cursor: tuple[str, float] | None = None) -> bool:
         """XADD at id `{seq}-0` and PUBLISH. Safe to call again after a connection
         error: an entry that did reach the Stream is not written twice (the live copy
         may be missing; the gateway catches its clients up from the Stream).
 
         With `owner`, atomically and only while `owner` is the stream's claimed owner
-        (`claim_stream`): False, and nothing written, once another runner claimed it."""
+        (`claim_stream`): False, and nothing written, once another runner claimed it.
+        `cursor` (with `owner`): the stream's cursor (`load_cursor`) written in the same
+        step, so that no new owner finds a final published and its cursor not yet moved
+        (it would caption the final's words again)."""
         key = captions_key(seg.stream, seg.lang)
         payload = caption_to_json(seg)
         if owner is not None:
             if self._publish_owned is None:  # EVALSHA from then on
                 self._publish_owned = self.redis.register_script(_PUBLISH_OWNED)
+            after_id, end_s = cursor if cursor is not None else ("", 0.0)
             done = int(await self._publish_owned(
-                keys=[key, owner_key(seg.stream)],
-                args=[f"{seg.seq}-0", payload, CAPTIONS_MAXLEN, owner]))
+                keys=[key, owner_key(seg.stream), cursor_key(seg.stream)],
+                args=[f"{seg.seq}-0", payload, CAPTIONS_MAXLEN, owner, after_id,
+                      repr(end_s), repr(time.time())]))
             if done == 0:
                 log.warning("%s seq %d is already in its Stream; not written again", key,
                             seg.seq)
