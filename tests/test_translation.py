@@ -465,7 +465,9 @@ async def test_asr_side_enqueues_finals_with_context_and_tails_at_most_every_n_s
 
     opts = StreamOptions(stream_id="talk", name="talk", source="push", language="en",
                          targets=("es", "pt"), context_sentences=2)
-    runner = _StreamRunner(SimpleNamespace(bus=bus), opts)  # type: ignore[arg-type]
+    # A stand-in host: what a runner reads of it here (the bus, its actor id).
+    host = SimpleNamespace(bus=bus, options=SimpleNamespace(actor_id="t"))
+    runner = _StreamRunner(host, opts)  # type: ignore[arg-type]
     for i, text in enumerate(["One.", "Two.", "", "Three."], 1):
         await runner._enqueue_translation(_seg(i, "partial", False, 100.0 + i))
         await runner._enqueue_translation(_seg(i, text, True, 100.5 + i))
@@ -475,7 +477,7 @@ async def test_asr_side_enqueues_finals_with_context_and_tails_at_most_every_n_s
     assert all(j.targets == ("es", "pt") and j.is_final for j in jobs)
 
     await bus.redis.delete(JOBS_KEY)
-    tail_runner = _StreamRunner(SimpleNamespace(bus=bus),  # type: ignore[arg-type]
+    tail_runner = _StreamRunner(host,  # type: ignore[arg-type]
                                 replace(opts, partials_every_s=2.0))
     for t in (0.0, 1.0, 2.5, 3.0, 4.6):
         await tail_runner._enqueue_translation(_seg(1, f"words at {t}", False, 1000 + t))
