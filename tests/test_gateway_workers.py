@@ -204,12 +204,17 @@ async def follow(gw: Gateway, viewer: Viewer, ws: ClientConnection, last_seq: in
                 pytest.fail("no worker took the reconnect")
 
 
+async def deliver(gateway: Gateway, redis: Redis, pairs: list[tuple[Viewer, ClientConnection]],
+                  last: int) -> None:
+    """Publish seq 1..`last` (200/s) while every viewer follows them to the end."""
+    readers = [asyncio.create_task(follow(gateway, v, ws, last)) for v, ws in pairs]
+    await publish(redis, 1, last, per_s=200)
+    await asyncio.wait_for(asyncio.gather(*readers), 30)
+
 async def test_two_workers_on_one_port_deliver_every_caption_once_to_each_client(
         gateway: Gateway, redis: Redis) -> None:
     pairs = await viewers_on_both_workers(gateway, 2)
-    readers = [asyncio.create_task(follow(gateway, v, ws, 60)) for v, ws in pairs]
-    await publish(redis, 1, 60, per_s=200)
-    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    await deliver(gateway, redis, pairs, 60)
     for viewer, _ in pairs:
         assert viewer.seqs == list(range(1, 61)), (viewer.worker, viewer.seqs)
         assert viewer.reconnects == 0
@@ -331,9 +336,7 @@ async def test_metrics_and_status_through_the_port_count_every_worker(
                 break
         assert answered == {"0", "1"}
 
-    readers = [asyncio.create_task(follow(gateway, v, ws, 40)) for v, ws in pairs]
-    await publish(redis, 1, 40, per_s=200)
-    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    await deliver(gateway, redis, pairs, 40)
     assert all(v.seqs == list(range(1, 41)) for v, _ in pairs)
     # What both workers sent, counted once, whichever answers; the clients have left.
     await scrape_until(gateway, lambda m: m.total(CLIENTS) == 0, "the clients to leave")
@@ -347,9 +350,7 @@ async def test_metrics_and_status_through_the_port_count_every_worker(
 async def test_a_worker_that_stops_answering_or_dies_leaves_the_scrape_whole(
         gateway: Gateway, redis: Redis) -> None:
     pairs = await viewers_on_both_workers(gateway, 1)
-    readers = [asyncio.create_task(follow(gateway, v, ws, 10)) for v, ws in pairs]
-    await publish(redis, 1, 10, per_s=200)
-    await asyncio.wait_for(asyncio.gather(*readers), 30)
+    await deliver(gateway, redis, pairs, 10)
     idle = [ws for _, ws in await viewers_on_both_workers(gateway, 1, since=10)]
     await scrape_until(gateway, lambda m: m.total(CLIENTS) == 2 and m.total(SENT) == 20,
                        "both workers' figures")

@@ -24,13 +24,12 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 
 from orchestrator import metrics
 from orchestrator.gateway.access import TRY_AGAIN_LATER, Access, Admitted, can_view
-from orchestrator.gateway.context import GatewayContext
+from orchestrator.gateway.context import GatewayContext, cancel_all
 from orchestrator.gateway.hub import ClientQueue, Resync, SlowClient
 from orchestrator.gateway.limits import CapExceeded
 from workers.bus import RETRYABLE, caption_to_json, captions_key, retry_redis
@@ -97,25 +96,6 @@ async def _admitted(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stre
         await _serve(ctx, ws, admitted, stream_id, lang, newest if since is None else since)
     finally:
         ctx.access.caps.remove_viewer(stream_id)
-
-
-async def _cancel_all(tasks: set[asyncio.Task[Any]]) -> None:
-    """Cancel `tasks` and wait until each has ended, cancelling again those that carry on.
-    On Python 3.11 `asyncio.wait_for` (under redis-py's reads) drops a cancellation that
-    arrives as the awaited result does (CPython gh-86296): a client that closed during its
-    replay read left its pump waiting for captions for good, and with it the handler, the
-    client gauge, its caps and its hub subscription (half of 30 clients that closed right
-    after connecting stayed counted)."""
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        with contextlib.suppress(asyncio.CancelledError):  # as before: the clean-up runs
-            await asyncio.wait(pending, timeout=0.5)
-        pending = {t for t in pending if not t.done()}
-    for t in tasks:
-        if not t.cancelled():
-            t.exception()  # retrieved: the handler above reported what mattered
 
 
 async def _unavailable(ws: WebSocket) -> None:
@@ -219,7 +199,7 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
         if removed in done and not pumping.done():
             # A hot apply drained the stream (its open caption closed) and removed it:
             # send what is left, then say so rather than leave a silent socket open.
-            await _cancel_all({pumping})
+            await cancel_all({pumping})
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(replay_after(last), REMOVED_FLUSH_S)
             await Access.refuse(ws, "stream_removed", f"stream {stream_id!r} was removed "
@@ -234,7 +214,7 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
             elif isinstance(failure, RETRYABLE):
                 await _unavailable(ws)
     finally:
-        await _cancel_all(tasks)
+        await cancel_all(tasks)
         gauge.dec()
         ctx.clients[(stream_id, lang)] -= 1
         await ctx.hub.unsubscribe(key, queue)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,26 @@ from orchestrator.outputs.hls import HlsOptions, HlsService
 from workers.bus import RedisBus
 from workers.events import StreamOptions
 from workers.ingest import AudioClock
+
+
+async def cancel_all(tasks: set[asyncio.Task[Any]]) -> None:
+    """Cancel `tasks` and wait until each has ended, cancelling again those that carry on.
+    On Python 3.11 `asyncio.wait_for` (under redis-py's reads) drops a cancellation that
+    arrives as the awaited result does (CPython gh-86296): a caption client that closed
+    during its replay read left its pump waiting for captions for good, and with it the
+    handler, the client gauge, its caps and its hub subscription (half of 30 clients that
+    closed right after connecting stayed counted). Every socket task of the gateway that
+    may sit in a Redis read is ended through here."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):  # as before: the clean-up runs
+            await asyncio.wait(pending, timeout=0.5)
+        pending = {t for t in pending if not t.done()}
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()  # retrieved: the caller reported what mattered
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,27 +100,19 @@ class GatewayContext:
             return gone
         return self._removed.setdefault(stream_id, asyncio.Event())
 
-    async def until_removed(self, stream_id: str, work: Awaitable[None]) -> bool:
+    async def until_removed(self, stream_id: str, work: Coroutine[Any, Any, None]) -> bool:
         """Run a socket's `work` until it ends (False) or the stream is removed from the
         event (True: the work is cancelled, and the caller closes the socket)."""
-        task = asyncio.ensure_future(work)
+        task = asyncio.create_task(work)
         waiter = asyncio.create_task(self.removal(stream_id).wait())
         try:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 task.result()
                 return False
-            while not task.done():  # again if a cancellation was lost (CPython gh-86296)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait({task}, timeout=0.5)
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                task.result()
             return True
-        finally:
-            waiter.cancel()
-            if not task.done():
-                task.cancel()
+        finally:  # the work too, when the stream went or the socket's handler is cancelled
+            await cancel_all({task, waiter})
 
     def languages(self, gs: GatewayStream) -> list[str]:
         return [gs.options.caption_lang, *gs.options.targets]
