@@ -14,9 +14,11 @@ orchestrates, samples the GPU and adds up. Configurations:
 - `project-direct`: the same, with each chunk's engine input built directly
   (`workers/engines/vllm_direct.py`) instead of the renderer and the HF processor;
 - `project-x2`, `project-direct-x2`: two front ends on the one GPU (1 and 2), half of
-  the sessions each — the production shape of `engine.vllm.engines_per_gpu: 2`.
-Front ends 1 and 2 start only if a `-x2` configuration is asked for. Each gets
-`--gpu-memory-utilization / engines` of the GPU.
+  the sessions each — the production shape of `engine.vllm.engines_per_gpu: 2`;
+  `-x3`, `-x4`: three or four front ends (1…4), a third or a quarter of the sessions each.
+Front ends 1…N start only if an `-xN` configuration is asked for. Each gets
+`--gpu-memory-utilization / engines` of the GPU (so measure one N per run: a `-x2` run
+next to `-x4` engines would have half the GPU's memory).
 
 Each session is fed 80 ms of real speech every 80 ms. A session is real time when it
 decodes ≥ 12.0 frames/s (12.5 is exact) over the measured window (after 3 s of warm-up).
@@ -39,13 +41,14 @@ Like production:
   the KV cache of its whole step), climbing until the first miss (`aged_knee`). vLLM's
   stock path has no aged steady state (it cannot re-anchor; its sessions end at
   max_model_len), so it is measured on new sessions only.
-- `--share-front-end`: the one-engine configurations run on front end 1 of the -x2 pair,
-  so two engines share the GPU's memory as `engines_per_gpu: 2` would.
+- `--share-front-end`: the one-engine configurations run on front end 1 of the -xN
+  group, so N engines share the GPU's memory as `engines_per_gpu: N` would.
 - `--max-model-len 16384`: the engine's production default (re-anchoring keeps sessions
   below it; 131072 needs 141 GiB of KV cache on vLLM 0.26 and does not start).
 - `--profile-dir D --profile-level N`: py-spy (67 Hz, raw) on every front end taking part
-  and its children during each phase at level N; `profiles` gives each process's share and
-  the top leaf frames.
+  and its children over the measured window of each phase at level N (new or aged
+  sessions: after ageing and warm-up); `profiles` gives each process's share and the top
+  leaf frames. py-spy's own messages go to `D/<phase>.log`.
 """
 
 from __future__ import annotations
@@ -87,7 +90,14 @@ AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
 each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
 AGE_TIMEOUT_S = 150.0  # ageing that takes longer is stuck (e.g. waiting for KV cache)
-CONFIGS = ("stock", "project", "project-direct", "project-x2", "project-direct-x2")
+CONFIGS = ("stock", "project", "project-direct",
+           *(f"{c}-x{k}" for k in (2, 3, 4) for c in ("project", "project-direct")))
+
+
+def engines_of(config: str) -> int:
+    """Front ends a configuration runs on: N for `-xN`, else 1."""
+    head, _, k = config.rpartition("-x")
+    return int(k) if head and k.isdigit() else 1
 
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
 
@@ -141,10 +151,12 @@ def _children_cpu_s() -> tuple[float, float]:
 
 async def _phase(n: int, seconds: float, audio: np.ndarray,
                  start: Callable[[int], Awaitable[Handle]], first: int = 0,
-                 before: Callable[[], Awaitable[None]] | None = None) -> dict[str, Any]:
+                 before: Callable[[], Awaitable[None]] | None = None,
+                 profile: str | None = None) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
-    after every session started and before the clock starts (ageing)."""
+    after every session started and before the clock starts (ageing). With `profile` (a
+    file), py-spy records this process and its children over the measured window."""
     handles = [await start(first + i) for i in range(n)]
     t_age = time.monotonic()
     if before is not None:
@@ -173,6 +185,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         marks["cpu"] = time.process_time()
         marks["children"] = _children_cpu_s()
         marks["t"] = time.monotonic()
+        if profile is not None:
+            marks["spy"] = _py_spy(os.getpid(), Path(profile), seconds - WARM_S - 0.5)
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
@@ -180,6 +194,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     children = [b - a for a, b in zip(marks["children"], _children_cpu_s(), strict=True)]
     final = [h[1]() for h in handles]
     await asyncio.gather(*(h[2]() for h in handles))
+    if marks.get("spy") is not None:
+        await asyncio.to_thread(marks["spy"].wait, 60)
     chunks = max(1, round(n * elapsed / 0.08))
     fps = [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)]
     return {
@@ -394,7 +410,8 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             async def starter(i: int, direct: bool = direct) -> Handle:
                 return await ours(i, direct)
         try:
-            result = await _phase(n, seconds, audio, starter, first, before)
+            result = await _phase(n, seconds, audio, starter, first, before,
+                                  cmd.get("profile"))
             result["feed"] = "plain" if path == "stock" else feed
             conn.send(result)
         except Exception as exc:
@@ -433,10 +450,11 @@ class FrontEnd:
         return self.info
 
     async def phase(self, path: str, n: int, seconds: float, first: int,
-                    feed: str = "plain", age_frames: int = 0) -> dict[str, Any]:
+                    feed: str = "plain", age_frames: int = 0,
+                    profile: str | None = None) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
-                        "age_concurrency": self.age_concurrency})
+                        "age_concurrency": self.age_concurrency, "profile": profile})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -453,7 +471,8 @@ class FrontEnd:
 
 # ---- profiles -------------------------------------------------------------------------
 def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
-    """py-spy on a front end and its children (engine core, VAD helpers), raw format."""
+    """py-spy on a front end and its children (engine core, VAD helpers), raw format;
+    its messages go next to the profile (`.log`): a missing ptrace permission shows there."""
     import shutil
 
     exe = shutil.which("py-spy") or next(
@@ -462,10 +481,11 @@ def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | No
     if exe is None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [exe, "record", "--pid", str(pid), "--subprocesses", "--rate", "67", "--nonblocking",
-         "--duration", str(max(1, int(seconds))), "--format", "raw", "--output", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(out.with_suffix(".log"), "wb") as log:
+        return subprocess.Popen(
+            [exe, "record", "--pid", str(pid), "--subprocesses", "--rate", "67",
+             "--nonblocking", "--duration", str(max(1, int(seconds))), "--format", "raw",
+             "--output", str(out)], stdout=log, stderr=subprocess.STDOUT)
 
 
 def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
@@ -502,9 +522,10 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
 # ---- orchestration --------------------------------------------------------------------
 def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
     """(front end, path) pairs that run a configuration; sessions split evenly. With
-    `shared`, one-engine configurations run on front end 1 (no third engine)."""
+    `shared`, one-engine configurations run on front end 1 (no engine of their own)."""
     path = "direct" if "direct" in config else ("stock" if config == "stock" else "project")
-    return [(1, path), (2, path)] if config.endswith("-x2") else [(1 if shared else 0, path)]
+    k = engines_of(config)
+    return [(f, path) for f in range(1, k + 1)] if k > 1 else [(1 if shared else 0, path)]
 
 
 def feed_of(config: str, production: bool, age_frames: int) -> str:
@@ -520,9 +541,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
                      age_frames: int = 0, profile_dir: str | None = None) -> dict[str, Any]:
     parts = plan(config, shared)
     feed = feed_of(config, production, age_frames)
-    spies = [] if profile_dir is None or age_frames else [
-        _py_spy(fronts[f].proc.pid or 0, Path(profile_dir) / f"{config}-{n}-fe{f}.txt",
-                seconds - WARM_S - 1.0) for f, _ in parts]
+    tag = f"{config}-{n}{'-aged' if age_frames else ''}"
     stop = asyncio.Event()
     util: list[float] = []
     stamps: list[float] = []
@@ -530,14 +549,12 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     util_task = asyncio.create_task(_gpu_util(stop, util, stamps))
     share = [n // len(parts) + (1 if i < n % len(parts) else 0) for i in range(len(parts))]
     firsts = [sum(share[:i]) for i in range(len(parts))]
-    results = await asyncio.gather(*(fronts[f].phase(p, k, seconds, first, feed, age_frames)
-                                     for (f, p), k, first in zip(parts, share, firsts,
-                                                                 strict=True)))
+    results = await asyncio.gather(*(
+        fronts[f].phase(p, k, seconds, first, feed, age_frames,
+                        str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None)
+        for (f, p), k, first in zip(parts, share, firsts, strict=True)))
     stop.set()
     await util_task
-    for spy in spies:
-        if spy is not None:
-            await asyncio.to_thread(spy.wait, 60)
     # GPU use of the measured window only (not ageing, not warm-up)
     measured_from = t_start + max(r.get("aged_in_s", 0.0) for r in results) + WARM_S
     util = [u for u, t in zip(util, stamps, strict=True) if t >= measured_from] or util
@@ -587,10 +604,11 @@ def rotated(configs: list[str], k: int) -> list[str]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     configs = list(args.configs)
     ladder = sorted(args.ladder) if args.find_knee else [args.streams]
-    x2 = any(c.endswith("-x2") for c in configs)
-    shared = bool(args.share_front_end and x2)
-    need_main = any(not c.endswith("-x2") for c in configs) and not shared
-    engines = (1 if need_main else 0) + (2 if x2 else 0)
+    multi = max((engines_of(c) for c in configs if engines_of(c) > 1), default=0)
+    fewest = min((engines_of(c) for c in configs if engines_of(c) > 1), default=1)
+    shared = bool(args.share_front_end and multi)
+    need_main = any(engines_of(c) == 1 for c in configs) and not shared
+    engines = (1 if need_main else 0) + multi
     top = max([*ladder, *(args.aged_ladder or [])])
     age_frames = (int(args.age_min[0] * 60 / 0.08) // AGE_BULK * AGE_BULK
                   if args.age_min else 0)
@@ -631,12 +649,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3))
 
 
-    wanted = ([0] if need_main else []) + ([1, 2] if x2 else [])
+    wanted = ([0] if need_main else []) + list(range(1, multi + 1))
     fronts: dict[int, FrontEnd] = {}
     started: dict[int, Any] = {}
     try:
         for f in wanted:  # one at a time: vLLM profiles free memory while it starts
-            fronts[f] = FrontEnd(f, opts(top if f == 0 or shared else (top + 1) // 2))
+            alone = f == 0 or (shared and f == 1)  # takes one-engine configurations
+            fronts[f] = FrontEnd(f, opts(top if alone else -(-top // fewest)))
             started[f] = await fronts[f].ready()
         direct_ok = all(started[f].get("direct_check", {}).get("equal") for f in started)
         if not direct_ok:
@@ -669,7 +688,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             aged[n] = {}
             for c in aged_alive:
                 try:
-                    aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames)
+                    aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames,
+                                           profile_dir=args.profile_dir
+                                           if n == args.profile_level else None)
                 except Exception as exc:  # e.g. ageing stuck: no KV cache for the sessions
                     notes = [json.loads(x) for x in getattr(exc, "__notes__", [])]
                     aged[n][c] = {"realtime_share": 0.0, "error": f"{exc}"[:300],
@@ -799,7 +820,8 @@ def main() -> int:
                          "(no third engine: the pair keeps the GPU's memory)")
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy the front ends (and their children) at --profile-level")
-    ap.add_argument("--profile-level", type=int, default=None)
+    ap.add_argument("--profile-level", type=int, default=None,
+                    help="the level (new sessions and aged) to profile")
     ap.add_argument("--partial", default=None,
                     help="write the rows measured so far to this file after every phase")
     ap.add_argument("--age-concurrency", type=int, default=AGE_CONCURRENCY,

@@ -8,7 +8,8 @@
 #   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
-#   (EXTRA="--production --share-front-end …" adds flags)
+#   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
+#   --profile-level N" py-spies the phases at level N, new and aged)
 #   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)
 #   WORKERS="1 6" bash .stage/extra/run_gpu.sh delivery   # bench.delivery, 200 x 2000
 #   (.stage/extra also holds PyJWT, rich and its deps for the gateway the delivery bench
@@ -25,6 +26,9 @@ install)
   tail -12 "$OUT/install.log"; [ $rc = 0 ] || exit $rc
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .stage/extra/*.whl >> "$OUT/install.log" 2>&1 || { echo "extra wheels failed"; exit 1; }
   mkdir -p /tmp/bin
+  # py-spy's console script does not land in /tmp/site/bin (../shared/gpu/README.md): its own target
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy /tmp/vstage_whl/py_spy-*.whl >> "$OUT/install.log" 2>&1 \
+    && ln -sf /tmp/pyspy/bin/py-spy /tmp/bin/py-spy && py-spy --version || echo "py-spy not installed"
   printf '#!/bin/sh\nLD_LIBRARY_PATH=/tmp/debroot/usr/lib/x86_64-linux-gnu exec /tmp/debroot/usr/bin/redis-server "$@"\n' > /tmp/bin/redis-server
   chmod +x /tmp/bin/redis-server
   redis-server --version

@@ -5,6 +5,7 @@ rounds; rounds rotate the order so no configuration always runs first."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from bench import voxtral_capacity as capacity
 from bench.voxtral_capacity import (
     _phase,
+    engines_of,
     feed_of,
     knees,
     open_production,
@@ -61,6 +63,9 @@ def test_two_front_end_configurations_split_over_front_ends_one_and_two() -> Non
     assert plan("project-direct") == [(0, "direct")]
     assert plan("project-x2") == [(1, "project"), (2, "project")]
     assert plan("project-direct-x2") == [(1, "direct"), (2, "direct")]
+    assert plan("project-direct-x4") == [(1, "direct"), (2, "direct"), (3, "direct"),
+                                         (4, "direct")]
+    assert [engines_of(c) for c in ("stock", "project-direct", "project-x3")] == [1, 1, 3]
 
 
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
@@ -110,6 +115,33 @@ async def test_the_production_feed_runs_real_speech_through_the_manager_and_vad(
     assert all(11.0 <= f <= 13.5 for f in result["fps"]), result["fps"]
     assert max(result["backlog_s"]) < 1.0
     assert result["helpers_us_per_chunk"] > 0  # Silero ran in the helper processes
+
+
+@pytest.mark.integration
+async def test_a_phase_profiles_its_measured_window_with_its_children(tmp_path: Path) -> None:
+    """`--profile-dir`: the front end py-spies itself (with `--subprocesses`: its engine
+    core and VAD helpers) once the warm-up is over, and the profile sums per process. FAKE
+    vLLM backend (vLLM cannot run here); py-spy and Silero are real."""
+    engine = VllmVoxtralEngine(
+        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off"),
+        backend=FakeVllmBackend(text_every=3), geometry=DEFAULT_GEOMETRY)
+    await engine.start()
+    opened = track_sessions(engine)
+    service = vad.VadService(1)
+    profile = tmp_path / "project-direct-3-fe0.txt"
+    try:
+        result = await _phase(
+            3, 5.5, speech(), lambda i: open_production(engine, service, opened, i),
+            profile=str(profile))
+    finally:
+        service.shutdown()
+        await engine.aclose()
+    assert len(result["fps"]) == 3
+    assert "Sampling process" in profile.with_suffix(".log").read_text(), "py-spy ran"
+    got = summarize_profiles(str(tmp_path))["project-direct-3-fe0"]
+    # py-spy counts busy samples only; this front end is the process that was sampled
+    assert got["samples"] >= 1, got
+    assert any(p.startswith(f"process {os.getpid()} ") for p in got["processes"]), got
 
 
 def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path) -> None:
