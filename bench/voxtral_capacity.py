@@ -16,6 +16,9 @@ orchestrates, samples the GPU and adds up. Configurations:
 - `project-x2`, `project-direct-x2`: two front ends on the one GPU (1 and 2), half of
   the sessions each — the production shape of `engine.vllm.engines_per_gpu: 2`;
   `-x3`, `-x4`: three or four front ends (1…4), a third or a quarter of the sessions each.
+- `…+melspec` (any of the project's): the same engines with their engine cores'
+  spectrogram made without a GPU wait per chunk (`engine.vllm.sync_free_melspec`,
+  switched per phase, so with and without run on the same engines in one run).
 Front ends 1…N start only if an `-xN` configuration is asked for. Each gets
 `--gpu-memory-utilization / engines` of the GPU (so measure one N per run: a `-x2` run
 next to `-x4` engines would have half the GPU's memory).
@@ -90,13 +93,18 @@ AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
 each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
 AGE_TIMEOUT_S = 150.0  # ageing that takes longer is stuck (e.g. waiting for KV cache)
-CONFIGS = ("stock", "project", "project-direct",
-           *(f"{c}-x{k}" for k in (2, 3, 4) for c in ("project", "project-direct")))
+_PROJECT = ("project", "project-direct",
+            *(f"{c}-x{k}" for k in (2, 3, 4) for c in ("project", "project-direct")))
+CONFIGS = ("stock", *_PROJECT, *(f"{c}+melspec" for c in _PROJECT))
+MELSPEC = "+melspec"
+"""A configuration with this suffix runs with the engine cores' sync-free spectrogram
+(engine.vllm.sync_free_melspec), switched per phase on the same engines: the A/B is
+same run, same engines."""
 
 
 def engines_of(config: str) -> int:
     """Front ends a configuration runs on: N for `-xN`, else 1."""
-    head, _, k = config.rpartition("-x")
+    head, _, k = config.removesuffix(MELSPEC).rpartition("-x")
     return int(k) if head and k.isdigit() else 1
 
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
@@ -391,6 +399,13 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         age_concurrency = int(cmd.get("age_concurrency", AGE_CONCURRENCY))
         direct = path == "direct"
         before: Callable[[], Awaitable[None]] | None = None
+        try:  # every phase says which spectrogram its engine core runs
+            melspec = await backend.set_melspec(bool(cmd.get("melspec")))
+        except Exception as exc:
+            melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+        if cmd.get("melspec") and not melspec.get("on"):
+            conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
+            continue
         if path == "stock":
             starter: Callable[[int], Awaitable[Handle]] = theirs
         elif feed == "production":
@@ -413,6 +428,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             result = await _phase(n, seconds, audio, starter, first, before,
                                   cmd.get("profile"))
             result["feed"] = "plain" if path == "stock" else feed
+            result["melspec"] = bool(melspec.get("on"))
             conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -451,10 +467,11 @@ class FrontEnd:
 
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
-                    profile: str | None = None) -> dict[str, Any]:
+                    profile: str | None = None, melspec: bool = False) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
-                        "age_concurrency": self.age_concurrency, "profile": profile})
+                        "age_concurrency": self.age_concurrency, "profile": profile,
+                        "melspec": melspec})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -488,13 +505,22 @@ def _py_spy(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes] | No
              "--output", str(out)], stdout=log, stderr=subprocess.STDOUT)
 
 
+_PLUMBING = ("threading.py", "multiprocessing/", "asyncio/", "concurrent/futures",
+             "contextlib.py", "<string>", "runpy.py", "_contextlib.py")
+"""Plumbing frames, left out of `top_inclusive` (so are frames in ≥ 80 % of a process's
+samples: a forked engine core's stacks start with its parent's frames)."""
+
+
 def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
-    """Per profile: each process's share of the samples, and the leaf frames
-    (function (file:line)) with the largest share, from py-spy's raw (collapsed) output."""
+    """Per profile: each process's share of the samples, the leaf frames (function
+    (file:line)) with the largest share, and per process the frames with the largest
+    inclusive share, from py-spy's raw (collapsed) output. With `--subprocesses` a child's
+    stack starts with its parents' `process` frames: the last one is the sampled process."""
     out: dict[str, Any] = {}
     for path in sorted(Path(folder).glob("*.txt")):
         procs: dict[str, int] = {}
         leaves: dict[str, int] = {}
+        inclusive: dict[str, dict[str, int]] = {}
         total = 0
         for line in path.read_text(errors="replace").splitlines():
             stack, _, count = line.rpartition(" ")
@@ -503,18 +529,25 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
             n = int(count)
             frames = stack.split(";")
             total += n
-            proc = frames[0] if frames[0].startswith("process ") else "?"
-            proc = proc.split(":")[0] + (" " + frames[0].split('"')[1][:60]
-                                         if '"' in frames[0] else "")
+            heads = [i for i, f in enumerate(frames) if f.startswith("process ")]
+            head = frames[heads[-1]] if heads else "?"
+            proc = head.split(":")[0] + (" " + head.split('"')[1][:60] if '"' in head else "")
             procs[proc] = procs.get(proc, 0) + n
             leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+            mine = inclusive.setdefault(proc, {})
+            for f in set(frames[(heads[-1] + 1) if heads else 0:]):
+                mine[f] = mine.get(f, 0) + n
         if total:
+            ranked = sorted(procs.items(), key=lambda x: -x[1])[:6]
             out[path.stem] = {
                 "samples": total,
-                "processes": {p: round(c / total, 3) for p, c in
-                              sorted(procs.items(), key=lambda x: -x[1])[:6]},
+                "processes": {p: round(c / total, 3) for p, c in ranked},
                 "top_leaves": [[f, round(c / total, 3)] for f, c in
                                sorted(leaves.items(), key=lambda x: -x[1])[:top]],
+                "top_inclusive": {p: [[f, round(c / total, 3)] for f, c in sorted(
+                    ((f, c) for f, c in inclusive[p].items()
+                     if c < 0.8 * pc and not any(b in f for b in _PLUMBING)),
+                    key=lambda x: -x[1])[:top]] for p, pc in ranked[:3]},
             }
     return out
 
@@ -523,6 +556,7 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
 def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
     """(front end, path) pairs that run a configuration; sessions split evenly. With
     `shared`, one-engine configurations run on front end 1 (no engine of their own)."""
+    config = config.removesuffix(MELSPEC)
     path = "direct" if "direct" in config else ("stock" if config == "stock" else "project")
     k = engines_of(config)
     return [(f, path) for f in range(1, k + 1)] if k > 1 else [(1 if shared else 0, path)]
@@ -551,7 +585,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     firsts = [sum(share[:i]) for i in range(len(parts))]
     results = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
-                        str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None)
+                        str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
+                        melspec=config.endswith(MELSPEC))
         for (f, p), k, first in zip(parts, share, firsts, strict=True)))
     stop.set()
     await util_task
@@ -575,6 +610,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
                                           zip(results, share, strict=True)) / n, 1),
         "aged_in_s": max(r.get("aged_in_s", 0.0) for r in results),
         "feed": feed,
+        "melspec_sync_free": all(r.get("melspec") for r in results),
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
     }
 

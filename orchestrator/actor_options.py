@@ -101,6 +101,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             max_num_batched_tokens=v.max_num_batched_tokens, reanchor=v.reanchor,
             reanchor_every=v.reanchor_every, rollover_headroom=v.rollover_headroom,
             direct_input=v.direct_input, kv_cache_dtype=v.kv_cache_dtype,
+            sync_free_melspec=v.sync_free_melspec,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None

@@ -200,6 +200,12 @@ class VllmConfig(_Strict):
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         default="auto", description="KV cache element type: auto (bf16) or fp8, half the GPU "
                                     "memory per position (sessions aged long are bounded by it)")
+    sync_free_melspec: bool = Field(
+        default=False,
+        description="the encoder's spectrogram without a wait on the GPU per 80 ms chunk "
+                    "(vLLM 0.26's makes a device tensor per chunk, which waits for the "
+                    "stream); switched on only where it is bitwise equal to vLLM's. Off "
+                    "until its capacity is measured (bench.voxtral_capacity +melspec)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

@@ -68,6 +68,16 @@ def test_two_front_end_configurations_split_over_front_ends_one_and_two() -> Non
     assert [engines_of(c) for c in ("stock", "project-direct", "project-x3")] == [1, 1, 3]
 
 
+def test_a_melspec_configuration_runs_where_its_base_runs() -> None:
+    """`+melspec` switches the engine cores' spectrogram on the same engines."""
+    assert "project-direct-x2+melspec" in capacity.CONFIGS
+    assert "stock+melspec" not in capacity.CONFIGS  # vLLM's path is measured as it ships
+    assert plan("project-direct-x2+melspec") == plan("project-direct-x2")
+    assert plan("project-direct+melspec", shared=True) == [(1, "direct")]
+    assert engines_of("project-direct-x4+melspec") == 4
+    assert feed_of("project-direct-x2+melspec", production=True, age_frames=0) == "production"
+
+
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
     assert plan("stock", shared=True) == [(1, "stock")]
     assert plan("project-direct", shared=True) == [(1, "direct")]
@@ -91,6 +101,22 @@ def test_profiles_are_summed_per_process_and_leaf(tmp_path: Path) -> None:
     assert got["processes"] == {'process 12 VLLM::EngineCore': 0.6,
                                 'process 11 python -m bench': 0.4}
     assert got["top_leaves"][0] == ["render (b.py:2)", 0.9]
+
+
+def test_a_child_process_is_counted_as_itself(tmp_path: Path) -> None:
+    """With --subprocesses a child's stack starts with its parent's `process` frame."""
+    (tmp_path / "p.txt").write_text(
+        'process 11:"python -m bench";main (a.py:1);feed (f.py:2) 25\n'
+        'process 11:"python -m bench";process 12:"VLLM::EngineCore";boot (a.py:1);'
+        'step (d.py:4);melspec (v.py:776) 50\n'
+        'process 11:"python -m bench";process 12:"VLLM::EngineCore";boot (a.py:1);'
+        'step (d.py:4);forward (v.py:9) 25\n')
+    got = summarize_profiles(str(tmp_path))["p"]
+    assert got["processes"] == {"process 12 VLLM::EngineCore": 0.75,
+                                "process 11 python -m bench": 0.25}
+    # frames in every sample of a process (its parent's, from the fork) are left out
+    assert got["top_inclusive"]["process 12 VLLM::EngineCore"] == [
+        ["melspec (v.py:776)", 0.5], ["forward (v.py:9)", 0.25]]
 
 
 @pytest.mark.integration

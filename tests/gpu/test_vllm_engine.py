@@ -394,3 +394,50 @@ def test_a_reanchored_session_decodes_what_an_unmoved_one_decodes(
                            "n_after": n_after}
     assert same_before == first, REPORT["exactness"]
     assert same_after >= 0.9 * n_after, REPORT["exactness"]
+
+
+def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
+    engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
+) -> None:
+    """engine.vllm.sync_free_melspec: the engine core checks it against vLLM's method on
+    the GPU before it switches; then one request, fed the same audio and the same tokens,
+    decodes the same tokens with it as with vLLM's (run off, on, off: the two offs show
+    the run is deterministic)."""
+    pcm = speech()
+    backend: Any = engine.backend
+    frames = 150
+
+    async def one(rid: str) -> list[int]:
+        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+
+        async def audio() -> AsyncIterator[np.ndarray]:
+            for i in range(frames):
+                off = (i * CHUNK * 2) % (len(pcm) - CHUNK * 2)
+                yield np.frombuffer(pcm[off : off + CHUNK * 2], "<i2").astype(np.float32) / 32768
+                await asyncio.sleep(0)
+
+        out: list[int] = []
+        async for o in backend.generate(backend.prompts(audio(), tokens), rid, None):
+            if o.outputs:
+                out.append(o.outputs[0].token_ids[-1])
+                tokens.put_nowait([32])
+        return out
+
+    async def run() -> dict[str, Any]:
+        before = await one("mel-off-1")
+        on = await backend.set_melspec(True)
+        with_it = await one("mel-on")
+        off = await backend.set_melspec(False)
+        after = await one("mel-off-2")
+        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
+                "after": after}
+
+    got = loop.run_until_complete(run())
+    REPORT["melspec"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
+                         "equal": got["with"] == got["before"],
+                         "deterministic": got["before"] == got["after"]}
+    assert got["switch_on"] == {"on": True, "encoders": 1, "why_not": None}, got["switch_on"]
+    assert got["switch_off"]["on"] is False
+    assert len(got["before"]) >= frames - 10
+    assert got["before"] == got["after"], REPORT["melspec"]
+    assert got["with"] == got["before"], REPORT["melspec"]

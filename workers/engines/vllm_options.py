@@ -63,6 +63,10 @@ class VllmEngineOptions:
     """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
     instead of through vLLM's renderer and HF processor. auto: on the vLLM versions
     where the two were checked equal byte for byte (0.26.x)."""
+    sync_free_melspec: bool = False
+    """The encoder's spectrogram without a wait on the GPU per 80 ms chunk (engine core,
+    vllm_reanchor/melspec.py; needs the re-anchoring plugin worker). Off until its
+    capacity is measured on the H200 (bench.voxtral_capacity `+melspec`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,6 +167,14 @@ class _AsyncLLMBackend:
         (answer,) = await self.llm.collective_rpc("babelcast_reanchor_stats")
         return dict(answer)
 
+    async def set_melspec(self, on: bool) -> dict[str, Any]:
+        """The encoder's spectrogram without a GPU wait per chunk, or vLLM's
+        (vllm_reanchor/melspec.py): only the plugin worker has the switch."""
+        if not self.reanchor_requested:
+            return {"on": False, "why_not": "the plugin worker is not loaded"}
+        (answer,) = await self.llm.collective_rpc("babelcast_melspec", args=(on,))
+        return dict(answer)
+
     @property
     def errored(self) -> bool:
         return bool(self.llm.errored)
@@ -223,6 +231,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.slot_refusals = 0
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
+        self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.reanchor_counts: dict[str, Any] = {}
         self._shifts: dict[str, int] = {}  # our request id → positions shifted so far
         self._stats_task: asyncio.Task[None] | None = None
@@ -258,6 +267,13 @@ class VllmVoxtralEngine(SpeechEngine):
             self.reanchoring = bool(self.reanchor_probe.get("supported")) and self._fits()
         log.info("vllm %s engine: %s (%s)", real.version, self.mode,
                  self.reanchor_probe.get("why_not") or "ok")
+        if self.options.sync_free_melspec:
+            try:
+                self.melspec = await real.set_melspec(True)
+            except Exception as exc:  # vLLM's own spectrogram stays
+                self.melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+            log.info("vllm engine: sync-free spectrogram %s",
+                     "on" if self.melspec.get("on") else f"off ({self.melspec.get('why_not')})")
         self._start_stats()
 
     def _fits(self) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
+from workers.engines.vllm_reanchor import melspec
 from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
 from workers.engines.vllm_reanchor.rope import RopeStyle, unrotate_blocks_
 from workers.engines.vllm_reanchor.scheduler import FAILURES_ATTR, REANCHORS_ATTR
@@ -126,6 +127,13 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         except Exception as exc:
             out["geometry_error"] = f"{type(exc).__name__}: {exc}"
         return out
+
+    def babelcast_melspec(self, on: bool) -> dict[str, Any]:
+        """The encoder's spectrogram without a GPU wait per audio item (melspec.py)."""
+        try:
+            return melspec.switch(self._bc_model(), bool(on))
+        except Exception as exc:  # never kill the engine core over an optimisation
+            return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
 
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
         return {"reanchors": self._bc_counts()["reanchors"],
