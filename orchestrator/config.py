@@ -205,7 +205,9 @@ class VllmConfig(_Strict):
         description="the encoder's spectrogram without a wait on the GPU per 80 ms chunk "
                     "(vLLM 0.26's makes a device tensor per chunk, which waits for the "
                     "stream); switched on only where it is bitwise equal to vLLM's. Off "
-                    "until its capacity is measured (bench.voxtral_capacity +melspec)")
+                    "until a capacity gain is measured: one H200 run gave 6-18 % less "
+                    "engine-core CPU per chunk, no higher knee (bench.voxtral_capacity "
+                    "+melspec, README)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

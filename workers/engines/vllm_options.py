@@ -65,8 +65,9 @@ class VllmEngineOptions:
     where the two were checked equal byte for byte (0.26.x)."""
     sync_free_melspec: bool = False
     """The encoder's spectrogram without a wait on the GPU per 80 ms chunk (engine core,
-    vllm_reanchor/melspec.py; needs the re-anchoring plugin worker). Off until its
-    capacity is measured on the H200 (bench.voxtral_capacity `+melspec`)."""
+    vllm_reanchor/melspec.py; needs the re-anchoring plugin worker). Off until it shows a
+    capacity gain: one H200 A/B gave 6-18 % less engine-core CPU per chunk and the same
+    knee (bench.voxtral_capacity `+melspec`, README)."""
 
 
 @dataclass(frozen=True, slots=True)
