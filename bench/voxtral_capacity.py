@@ -92,7 +92,10 @@ AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
 AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
 each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
-AGE_TIMEOUT_S = 150.0  # ageing that takes longer is stuck (e.g. waiting for KV cache)
+AGE_STALL_S = 45.0
+"""Ageing in which no session got a step for this long is stuck (e.g. waiting for KV
+cache). Slow ageing that still moves goes on: four engines on one busy GPU aged 96
+sessions for more than 150 s, which a fixed limit took for stuck."""
 _PROJECT = ("project", "project-direct",
             *(f"{c}-x{k}" for k in (2, 3, 4) for c in ("project", "project-direct")))
 CONFIGS = ("stock", *_PROJECT, *(f"{c}+melspec" for c in _PROJECT))
@@ -388,7 +391,8 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                 waiter.cancel()
                 raise RuntimeError(f"an ageing session ended: {s.task.exception()!r}")
 
-        await asyncio.wait_for(asyncio.gather(*(one(s) for s in aged_sessions)), AGE_TIMEOUT_S)
+        await until_aged(asyncio.gather(*(one(s) for s in aged_sessions)),
+                         lambda: sum(s.outputs for s in aged_sessions))
 
     while True:
         cmd = await asyncio.to_thread(conn.recv)
@@ -438,6 +442,30 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             vad_box.clear()
     await engine.aclose()
     conn.send({"stopped": True})
+
+
+async def until_aged(done: Awaitable[Any], steps: Callable[[], int],
+                     stall_s: float = AGE_STALL_S, every_s: float = 1.0) -> None:
+    """Await `done` while `steps()` (outputs of the ageing sessions) keeps growing; raise
+    TimeoutError once it has not grown for `stall_s`."""
+    task = asyncio.ensure_future(done)
+    last, since = steps(), time.monotonic()
+    try:
+        while True:
+            finished, _ = await asyncio.wait({task}, timeout=every_s)
+            if finished:
+                task.result()
+                return
+            now = steps()
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= stall_s:
+                raise TimeoutError(f"ageing stalled: no session got a step in {stall_s:.0f} s "
+                                   f"({now} steps so far)")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _maybe_await(value: Any) -> Any:

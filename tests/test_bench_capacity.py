@@ -4,8 +4,10 @@ rounds; rounds rotate the order so no configuration always runs first."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +192,28 @@ def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path
     assert engine["blocks_per_request_at_peak"] == {
         "SlidingWindowSpec(window 189, block 16)": 4.0,  # 10 sessions hold some
         "SlidingWindowSpec(window 8192, block 128)": 6.5}
+
+
+async def test_slow_ageing_goes_on_and_stalled_ageing_stops() -> None:
+    """Ageing is stuck only when no session gets a step for a while, not when it is slow."""
+    steps = [0]
+
+    async def slow() -> None:  # a step every 0.1 s, 1 s in all: longer than the stall limit
+        for _ in range(10):
+            await asyncio.sleep(0.1)
+            steps[0] += 1
+
+    await capacity.until_aged(slow(), lambda: steps[0], stall_s=0.4, every_s=0.05)
+    assert steps[0] == 10
+
+    never = asyncio.Event()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="stalled"):
+        await capacity.until_aged(never.wait(), lambda: steps[0], stall_s=0.3, every_s=0.05)
+    assert time.monotonic() - t0 < 2.0
+
+    async def broken() -> None:
+        raise RuntimeError("an ageing session ended")
+
+    with pytest.raises(RuntimeError, match="ended"):
+        await capacity.until_aged(broken(), lambda: 0, stall_s=5)
