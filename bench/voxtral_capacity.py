@@ -41,7 +41,12 @@ Like production:
   those levels with sessions first aged M minutes (fed in bulk prompts of 750 frames with
   blanks fed back, re-anchoring as configured: bench.voxtral_age; at most
   `--age-concurrency` sessions per front end in their bulk steps at once, since each holds
-  the KV cache of its whole step), climbing until the first miss (`aged_knee`). vLLM's
+  the KV cache of its whole step), climbing until the first miss (`aged_knee`). With
+  `--production` too, the aged phases use the production feed (`aged-production`): each
+  stream's session manager opens its engine session, which first takes its age in bulk
+  steps and then the stream's live audio, with VAD; a session the manager opens later
+  (a restart) is new, as in production. Ageing counts as stuck once no session got a
+  step for 45 s. vLLM's
   stock path has no aged steady state (it cannot re-anchor; its sessions end at
   max_model_len), so it is measured on new sessions only.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -xN
@@ -59,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -68,7 +74,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -265,6 +271,75 @@ async def open_production(engine: Any, vad_service: Any, opened: dict[str, list[
     return push, (lambda: sum(x.outputs for x in opened.get(sid, ()))), close
 
 
+class AgeingBackend:
+    """Bench-only: the engine's backend, except that while `open` every new session's
+    prompts start with `ageing(audio, tokens, direct)`, which puts that session's age in
+    front of its own audio (bench.voxtral_age's bulk steps on the GPU). So the sessions a
+    session manager opens are aged as production's would be after that long; a session
+    opened after `open` is cleared (a restart, a rollover) is new, as in production."""
+
+    def __init__(self, real: Any,
+                 ageing: Callable[[AsyncIterator[np.ndarray], asyncio.Queue[list[int]], bool],
+                                  AsyncIterator[Any]]) -> None:
+        self._real = real
+        self._ageing = ageing
+        self.open = True
+        self.aged_sessions = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def prompts(self, audio: AsyncIterator[np.ndarray],
+                tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
+        return self._maybe_aged(audio, tokens, direct=False)
+
+    def direct_prompts(self, audio: AsyncIterator[np.ndarray],
+                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
+        return self._maybe_aged(audio, tokens, direct=True)
+
+    def _maybe_aged(self, audio: AsyncIterator[np.ndarray], tokens: asyncio.Queue[list[int]],
+                    direct: bool) -> AsyncIterator[Any]:
+        if not self.open:
+            real = self._real.direct_prompts if direct else self._real.prompts
+            return real(audio, tokens)  # type: ignore[no-any-return]
+        self.aged_sessions += 1
+        return self._ageing(audio, tokens, direct)
+
+
+async def prefixed(first: list[np.ndarray], rest: AsyncIterator[np.ndarray]
+                   ) -> AsyncIterator[np.ndarray]:
+    """The ageing audio, then the session's own."""
+    for frame in first:
+        yield frame
+    async for frame in rest:
+        yield frame
+
+
+def ageing_audio(audio: np.ndarray, offset: int, frames: int) -> list[np.ndarray]:
+    """`frames` 80 ms frames of the bench's speech as the model's buffer takes them."""
+    out = []
+    for k in range(frames):
+        j = (offset + k * FRAME) % (audio.size - FRAME)
+        out.append(audio[j : j + FRAME].astype(np.float32) / 32768.0)
+    return out
+
+
+async def until_first_sessions_aged(opened: dict[str, list[Any]], streams: int,
+                                    outputs: int) -> None:
+    """Every stream's first engine session has its ageing outputs (stalls: until_aged)."""
+    def aged() -> bool:
+        return len(opened) >= streams and all(
+            sessions and sessions[0].outputs >= outputs for sessions in opened.values())
+
+    async def all_there() -> None:
+        for _ in itertools.count():  # the sessions' counters: no event to wait on
+            if aged():
+                return
+            await asyncio.sleep(0.2)
+
+    await until_aged(all_there(), lambda: sum(x[0].outputs for x in opened.values() if x))
+
+
 # ---- one front end (a process of its own) -------------------------------------------
 def _front_end(conn: Connection, options: VllmEngineOptions) -> None:
     asyncio.run(_front_end_async(conn, options))
@@ -418,6 +493,38 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
             async def starter(i: int) -> Handle:
                 return await production(i)
+        elif feed == "aged-production":
+            # The production feed, its sessions aged first: the manager's first engine
+            # session per stream starts with `age_frames` in bulk steps.
+            engine.direct_input = direct
+            vad_box[:] = [vad.VadService(math.ceil(n / vad.STREAMS_PER_PROCESS))]
+            if not age_gate:
+                age_gate.append(asyncio.Semaphore(age_concurrency))
+            steps = age_frames // AGE_BULK
+            from bench.voxtral_age import aged_prompts
+
+            sessions_aged = itertools.count()
+
+            def ageing(live: AsyncIterator[np.ndarray], tokens: asyncio.Queue[list[int]],
+                       direct: bool, steps: int = steps,
+                       count: Iterator[int] = sessions_aged) -> AsyncIterator[Any]:
+                k = next(count)  # sessions start at different places in the speech
+                frames = ageing_audio(audio, (k * 7919 * FRAME) % audio.size,
+                                      8 + steps * AGE_BULK)  # first prompt, bulk, look-ahead
+                return aged_prompts(backend, prefixed(frames, live), tokens, AGE_BULK, steps,
+                                    direct, age_gate[0])
+
+            ageing_wrapper = AgeingBackend(backend, ageing)
+            engine._backend = ageing_wrapper
+            opened.clear()
+
+            async def starter(i: int) -> Handle:
+                return await production(i)
+
+            async def before(n: int = n, steps: int = steps,
+                             wrapper: AgeingBackend = ageing_wrapper) -> None:
+                await until_first_sessions_aged(opened, n, 1 + steps)
+                wrapper.open = False
         elif feed == "aged":
             aged_sessions.clear()
             before = all_aged
@@ -437,6 +544,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
         finally:
+            engine._backend = backend  # the aged-production feed's wrapper goes
             for service in vad_box:
                 service.shutdown()
             vad_box.clear()
@@ -592,10 +700,14 @@ def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
 
 def feed_of(config: str, production: bool, age_frames: int) -> str:
     """How a configuration's sessions are fed: vLLM's stock path is always fed as its
-    server feeds it (new sessions: it cannot re-anchor, so it has no aged steady state)."""
+    server feeds it (new sessions: it cannot re-anchor, so it has no aged steady state).
+    Aged with `--production`: through the session manager and VAD, each stream's engine
+    session aged first."""
     if config == "stock":
         return "plain"
-    return "aged" if age_frames else ("production" if production else "plain")
+    if age_frames:
+        return "aged-production" if production else "aged"
+    return "production" if production else "plain"
 
 
 async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,

@@ -26,9 +26,11 @@ from bench.voxtral_capacity import (
     summarize_profiles,
     track_sessions,
 )
-from tests.fake_vllm import FakeVllmBackend
+from tests.fake_vllm import FRAME, FakeVllmBackend
 from workers.engines import vad
+from workers.engines.base import SessionOptions
 from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
+from workers.events import AudioChunk
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +91,8 @@ def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
 def test_the_stock_path_is_always_fed_as_vllm_serves_it() -> None:
     assert feed_of("stock", production=True, age_frames=750) == "plain"
     assert feed_of("project-direct", production=True, age_frames=0) == "production"
-    assert feed_of("project-direct-x2", production=True, age_frames=750) == "aged"
+    assert feed_of("project-direct-x2", production=True, age_frames=750) == "aged-production"
+    assert feed_of("project-direct-x2", production=False, age_frames=750) == "aged"
     assert feed_of("project", production=False, age_frames=0) == "plain"
 
 
@@ -217,3 +220,50 @@ async def test_slow_ageing_goes_on_and_stalled_ageing_stops() -> None:
 
     with pytest.raises(RuntimeError, match="ended"):
         await capacity.until_aged(broken(), lambda: 0, stall_s=5)
+
+
+@pytest.mark.integration
+async def test_the_aged_production_feed_ages_each_managers_first_session() -> None:
+    """`--production --age-min M`: streams fed through the session manager and VAD, each
+    stream's first engine session aged before the clock starts; a session opened later
+    (a restart) is new. FAKE vLLM backend (its ageing here is 40 frames of speech in front
+    of the session's own audio; on the GPU it is bench.voxtral_age's bulk steps)."""
+    fake = FakeVllmBackend(text_every=3)
+    audio = speech()
+    frames = capacity.ageing_audio(audio, 0, 40)
+    wrapper = capacity.AgeingBackend(
+        fake, lambda live, tokens, direct: fake.prompts(capacity.prefixed(frames, live),
+                                                        tokens))
+    engine = VllmVoxtralEngine(
+        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off", direct_input="on"),
+        backend=wrapper, geometry=DEFAULT_GEOMETRY)
+    await engine.start()
+    opened = track_sessions(engine)
+    service = vad.VadService(1)
+    at_clock: list[int] = []
+
+    async def before() -> None:
+        await capacity.until_first_sessions_aged(opened, 3, 30)
+        wrapper.open = False
+        at_clock.extend(x[0].outputs for x in opened.values())
+
+    try:
+        result = await _phase(3, 4.5, audio,
+                              lambda i: open_production(engine, service, opened, i),
+                              before=before)
+        assert wrapper.aged_sessions == 3 and fake.direct_sessions == 0
+        # a session opened once the clock started takes the real path, not aged
+        later = engine.open_session(SessionOptions("later", "auto"))
+        await later.push(AudioChunk("later", 0, audio[:FRAME * 9].tobytes(), 0.0))
+        async for _ in later:
+            break
+        await later.aclose()
+        assert fake.direct_sessions == 1 and wrapper.aged_sessions == 3
+    finally:
+        service.shutdown()
+        await engine.aclose()
+    # fed 40 frames first: the fake's first prompt takes 7, then one output per frame
+    assert len(at_clock) == 3 and all(n >= 30 for n in at_clock), at_clock
+    # then live, in real time, through the manager and the VAD helpers
+    assert all(11.0 <= f <= 13.5 for f in result["fps"]), result["fps"]
+    assert result["helpers_us_per_chunk"] > 0
