@@ -88,6 +88,17 @@ def test_it_makes_its_device_constant_once_not_once_per_chunk(
     for w in waves() * 3:
         enc.compute_whisper_melspec(w)
     assert made == []  # the switch's own check already made the float32 one
+    windows: list[Any] = []
+    real_window = torch.hann_window
+
+    def counting_window(*args: Any, **kw: Any) -> torch.Tensor:
+        windows.append(args)
+        return real_window(*args, **kw)
+
+    monkeypatch.setattr(torch, "hann_window", counting_window)
+    for w in waves():
+        enc.compute_whisper_melspec(w)
+    assert windows == []  # nor a window per chunk
     StandInVoxtralEncoder.compute_whisper_melspec(enc, waves()[0])
     assert len(made) == 1  # vLLM's makes one per call
 
@@ -98,7 +109,8 @@ def test_switched_off_vllms_method_is_back() -> None:
     melspec.switch(model, True)
     assert melspec.switch(model, False) == {"on": False, "encoders": 1, "why_not": None}
     assert "compute_whisper_melspec" not in enc.__dict__
-    assert enc.compute_whisper_melspec.__func__ is StandInVoxtralEncoder.compute_whisper_melspec
+    bound: Any = enc.compute_whisper_melspec
+    assert bound.__func__ is StandInVoxtralEncoder.compute_whisper_melspec
 
 
 def test_an_encoder_that_takes_each_chunks_own_max_keeps_vllms_method() -> None:

@@ -9,9 +9,10 @@ scheduling means to overlap. On the H200 (2026-12-01, four engines, production f
 of the engine-core processes' samples sat on that one line.
 
 `switch(model, True)` gives every such encoder of the model an instance method that does
-the same operations in the same order, with the floor (`global_log_mel_max - 8.0`) made
-once per device and dtype. It is switched on only where a check on the model's own device
-gives a bitwise-equal spectrogram; `switch(model, False)` restores vLLM's method.
+the same operations in the same order, with the floor (`global_log_mel_max - 8.0`) and the
+Hann window made once per device (and dtype) instead of once per chunk. It is switched on
+only where a check on the model's own device gives a bitwise-equal spectrogram;
+`switch(model, False)` restores vLLM's method.
 Used by the engine-core worker (`worker.ReanchorWorker.babelcast_melspec`).
 """
 
@@ -34,6 +35,7 @@ class SyncFreeMelspec:
         self.encoder = encoder
         self.global_max = global_max
         self._floors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._windows: dict[torch.device, torch.Tensor] = {}
 
     def _floor(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.device, like.dtype)
@@ -46,7 +48,10 @@ class SyncFreeMelspec:
     def __call__(self, audio_waveforms: torch.Tensor) -> torch.Tensor:
         cfg = self.encoder.config
         input_dtype = audio_waveforms.dtype
-        window = torch.hann_window(cfg.window_size, device=audio_waveforms.device)
+        window = self._windows.get(audio_waveforms.device)
+        if window is None:  # the same call as vLLM's, once
+            window = self._windows[audio_waveforms.device] = torch.hann_window(
+                cfg.window_size, device=audio_waveforms.device)
         stft = torch.stft(audio_waveforms, cfg.window_size, cfg.hop_length, window=window,
                           return_complex=True)
         magnitudes = stft[..., :-1].abs() ** 2
