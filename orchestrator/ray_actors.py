@@ -62,7 +62,8 @@ class _HostActor:
     async def state(self) -> dict[str, Any]:
         """Like health, but never waits for a starting engine (a vLLM engine takes a
         minute or two to load): {"started": False} until it is up."""
-        where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+        where = {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                 "gpus": [str(g) for g in ray.get_gpu_ids()]}  # Ray's share: which GPU
         if not self._started:
             return {"started": False, **where}
         return {"started": True, **where, **await self.host.health()}

@@ -10,6 +10,7 @@
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
 #   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
 #   --profile-level N" py-spies the phases at level N, new and aged)
+#   GPUS=2 EPG=2 LADDER="32 48 64" bash .stage/extra/run_gpu.sh gpus   # bench.voxtral_gpus (x2 kind)
 #   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)
 #   WORKERS="1 6" bash .stage/extra/run_gpu.sh delivery   # bench.delivery, 200 x 2000
 #   (.stage/extra also holds PyJWT, rich and its deps for the gateway the delivery bench
@@ -56,6 +57,12 @@ capacity)
     --ladder ${LADDER:-64 96 128 160} --configs ${CONFIGS:-stock project project-x2} \
     --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" ${EXTRA:-} --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
   head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
+  ;;
+gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the router
+  timeout ${LIMIT:-575} python3 -m bench.voxtral_gpus --model /tmp/voxtral --gpus "${GPUS:-2}" \
+    --engines-per-gpu "${EPG:-2}" --ladder ${LADDER:-32 48 64} --seconds "${SECONDS_:-20}" \
+    ${EXTRA:-} --json > "$OUT/gpus.json" 2> "$OUT/gpus.log"; echo rc=$?
+  tail -c 6000 "$OUT/gpus.json"; echo; grep -E '^\{"gpus"|Error|Traceback' "$OUT/gpus.log" | tail -20
   ;;
 vad)
   timeout 300 python3 -m bench.vad --json --streams "${STREAMS:-40}" > "$OUT/vad.json" 2> "$OUT/vad.log"; echo rc=$?
