@@ -180,6 +180,9 @@ def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
     assert not wants_direct(VllmEngineOptions(model="/m"), "0.33.0")
     assert not wants_direct(VllmEngineOptions(model="/m", direct_input="off"), "0.26.0")
     assert words_on == words_off == [" w4", " w9", " w14", " w19"]
+    # health says which input path and which spectrogram the engine runs
+    described = engine_with(FakeVllmBackend(), direct_input="on").describe()
+    assert described["engine_input"] == "direct" and described["engine_melspec"] == "vllm"
 
 
 def test_stamps_come_from_the_output_index_not_from_arrival() -> None:

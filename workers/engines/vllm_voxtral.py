@@ -346,6 +346,7 @@ class VllmVoxtralEngine(SpeechEngine):
         version = getattr(self._backend, "version", "")
         return {"engine_mode": self.mode,
                 "engine_input": "direct" if self.direct_input else "renderer",
+                "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 **({"vllm": version} if version else {})}
 
     def stats(self) -> dict[str, float]:
