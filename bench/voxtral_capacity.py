@@ -685,6 +685,10 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
                      if c < 0.8 * pc and not any(b in f for b in _PLUMBING)),
                     key=lambda x: -x[1])[:top]] for p, pc in ranked[:3]},
             }
+    for log in sorted(Path(folder).glob("*.log")):  # no samples: py-spy's own words say why
+        if log.stem not in out:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+            out[log.stem] = {"samples": 0, "py_spy": (lines[-1] if lines else "")[:300]}
     return out
 
 
