@@ -132,15 +132,21 @@ def test_a_child_process_is_counted_as_itself(tmp_path: Path) -> None:
         ["melspec (v.py:776)", 0.5], ["forward (v.py:9)", 0.25]]
 
 
+async def fake_engine(backend: Any, **options: Any) -> VllmVoxtralEngine:
+    """The `vllm` engine's real session code over a FAKE backend, started, 3 streams."""
+    engine = VllmVoxtralEngine(
+        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off", **options),
+        backend=backend, geometry=DEFAULT_GEOMETRY)
+    await engine.start()
+    return engine
+
+
 @pytest.mark.integration
 async def test_the_production_feed_runs_real_speech_through_the_manager_and_vad() -> None:
     """The production feed on the `vllm` engine's real session code over the FAKE vLLM
     backend (vLLM cannot run here): every stream is decoded through a session manager,
     its voice activity comes from the helper processes, and the phase counts its frames."""
-    engine = VllmVoxtralEngine(
-        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off"),
-        backend=FakeVllmBackend(text_every=3), geometry=DEFAULT_GEOMETRY)
-    await engine.start()
+    engine = await fake_engine(FakeVllmBackend(text_every=3))
     opened = track_sessions(engine)
     service = vad.VadService(2)
     try:
@@ -161,10 +167,7 @@ async def test_a_phase_profiles_its_measured_window_with_its_children(tmp_path: 
     """`--profile-dir`: the front end py-spies itself (with `--subprocesses`: its engine
     core and VAD helpers) once the warm-up is over, and the profile sums per process. FAKE
     vLLM backend (vLLM cannot run here); py-spy and Silero are real."""
-    engine = VllmVoxtralEngine(
-        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off"),
-        backend=FakeVllmBackend(text_every=3), geometry=DEFAULT_GEOMETRY)
-    await engine.start()
+    engine = await fake_engine(FakeVllmBackend(text_every=3))
     opened = track_sessions(engine)
     service = vad.VadService(1)
     profile = tmp_path / "project-direct-3-fe0.txt"
@@ -244,10 +247,7 @@ async def test_the_aged_production_feed_ages_each_managers_first_session() -> No
     wrapper = capacity.AgeingBackend(
         fake, lambda live, tokens, direct: fake.prompts(capacity.prefixed(frames, live),
                                                         tokens))
-    engine = VllmVoxtralEngine(
-        VllmEngineOptions(model="/fake", max_streams=3, reanchor="off", direct_input="on"),
-        backend=wrapper, geometry=DEFAULT_GEOMETRY)
-    await engine.start()
+    engine = await fake_engine(wrapper, direct_input="on")
     opened = track_sessions(engine)
     service = vad.VadService(1)
     at_clock: list[int] = []

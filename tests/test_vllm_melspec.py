@@ -73,29 +73,28 @@ def test_switched_on_it_gives_vllms_spectrogram_bit_for_bit() -> None:
     assert torch.equal(expected[3], torch.full_like(expected[3], (1.5 - 8.0 + 4.0) / 4.0))
 
 
+def counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
+    """Calls of torch.<name> from now on (their positional arguments)."""
+    calls: list[Any] = []
+    real = getattr(torch, name)
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, name, counting)
+    return calls
+
+
 def test_it_makes_its_device_constant_once_not_once_per_chunk(
         monkeypatch: pytest.MonkeyPatch) -> None:
     enc = StandInVoxtralEncoder()
     melspec.switch(Model(enc), True)
-    made: list[Any] = []
-    real = torch.tensor
-
-    def counting(*args: Any, **kw: Any) -> torch.Tensor:
-        made.append(args)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(torch, "tensor", counting)
+    made = counted(monkeypatch, "tensor")
     for w in waves() * 3:
         enc.compute_whisper_melspec(w)
     assert made == []  # the switch's own check already made the float32 one
-    windows: list[Any] = []
-    real_window = torch.hann_window
-
-    def counting_window(*args: Any, **kw: Any) -> torch.Tensor:
-        windows.append(args)
-        return real_window(*args, **kw)
-
-    monkeypatch.setattr(torch, "hann_window", counting_window)
+    windows = counted(monkeypatch, "hann_window")
     for w in waves():
         enc.compute_whisper_melspec(w)
     assert windows == []  # nor a window per chunk

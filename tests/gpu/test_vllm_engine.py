@@ -116,6 +116,27 @@ async def feed(session: Any, pcm: bytes, seconds: float, pos: int = 0,
                                       time.time()))
 
 
+async def teacher_forced(backend: Any, pcm: bytes, frames: int, rid: str,
+                         every: int | None) -> list[int]:
+    """One request straight on the backend: `frames` frames of speech as fast as it takes
+    them, the blank fed back after every output (so no output changes the next input);
+    returns each output's last token."""
+    tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+
+    async def audio() -> AsyncIterator[np.ndarray]:
+        for i in range(frames):
+            off = (i * CHUNK * 2) % (len(pcm) - CHUNK * 2)
+            yield np.frombuffer(pcm[off : off + CHUNK * 2], "<i2").astype(np.float32) / 32768
+            await asyncio.sleep(0)
+
+    out: list[int] = []
+    async for o in backend.generate(backend.prompts(audio(), tokens), rid, every):
+        if o.outputs:
+            out.append(o.outputs[0].token_ids[-1])
+            tokens.put_nowait([32])
+    return out
+
+
 async def drain(session: Any, sink: list[Any]) -> None:
     async for delta in session:
         sink.append(delta)
@@ -360,24 +381,9 @@ def test_a_reanchored_session_decodes_what_an_unmoved_one_decodes(
     backend: Any = engine.backend
     frames = MAX_MODEL_LEN - 120
 
-    async def one(rid: str, every: int | None) -> list[int]:
-        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
-
-        async def audio() -> AsyncIterator[np.ndarray]:
-            for i in range(frames):
-                off = (i * CHUNK * 2) % (len(pcm) - CHUNK * 2)
-                yield np.frombuffer(pcm[off : off + CHUNK * 2], "<i2").astype(np.float32) / 32768
-                await asyncio.sleep(0)
-
-        out: list[int] = []
-        async for o in backend.generate(backend.prompts(audio(), tokens), rid, every):
-            if o.outputs:
-                out.append(o.outputs[0].token_ids[-1])
-                tokens.put_nowait([32])
-        return out
-
     async def run() -> tuple[list[int], list[int]]:
-        a, b = await asyncio.gather(one("exact-moved", 128), one("exact-still", None))
+        a, b = await asyncio.gather(teacher_forced(backend, pcm, frames, "exact-moved", 128),
+                                    teacher_forced(backend, pcm, frames, "exact-still", None))
         return a, b
 
     moved, still = loop.run_until_complete(run())
@@ -407,28 +413,12 @@ def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
     backend: Any = engine.backend
     frames = 150
 
-    async def one(rid: str) -> list[int]:
-        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
-
-        async def audio() -> AsyncIterator[np.ndarray]:
-            for i in range(frames):
-                off = (i * CHUNK * 2) % (len(pcm) - CHUNK * 2)
-                yield np.frombuffer(pcm[off : off + CHUNK * 2], "<i2").astype(np.float32) / 32768
-                await asyncio.sleep(0)
-
-        out: list[int] = []
-        async for o in backend.generate(backend.prompts(audio(), tokens), rid, None):
-            if o.outputs:
-                out.append(o.outputs[0].token_ids[-1])
-                tokens.put_nowait([32])
-        return out
-
     async def run() -> dict[str, Any]:
-        before = await one("mel-off-1")
+        before = await teacher_forced(backend, pcm, frames, "mel-off-1", None)
         on = await backend.set_melspec(True)
-        with_it = await one("mel-on")
+        with_it = await teacher_forced(backend, pcm, frames, "mel-on", None)
         off = await backend.set_melspec(False)
-        after = await one("mel-off-2")
+        after = await teacher_forced(backend, pcm, frames, "mel-off-2", None)
         return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
                 "after": after}
 
