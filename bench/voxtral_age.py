@@ -40,6 +40,38 @@ FRAME = 1280
 BLANK = 32
 
 
+class BulkPlace:
+    """One session's place in the ageing gate: taken before its first bulk step, given
+    back once the output of its last bulk step has come (its bulk KV is computed then),
+    or when the session ends; given back once only.
+
+    Not when its next one-frame step is built: that step waits for live audio, which
+    both aged feeds send only after every session has aged, so sessions past the gate's
+    size never got a place (H200, 2026-12-01: ageing stalled at 8 sessions x 33 steps,
+    264 steps, on every front end)."""
+
+    def __init__(self, gate: asyncio.Semaphore | None, bulk_steps: int) -> None:
+        self.gate = gate if bulk_steps else None
+        self.bulk_steps = bulk_steps
+        self.holding = False
+
+    async def before_step(self, step: int) -> None:
+        """Step `step` (0: the first prompt, 1…bulk_steps: the bulk ones) is about to go."""
+        if self.gate is not None and step == 1:
+            await self.gate.acquire()
+            self.holding = True
+
+    def on_output(self, n: int) -> None:
+        """The session's `n`-th output (1: the first prompt's) has come."""
+        if n == self.bulk_steps + 1:
+            self.release()
+
+    def release(self) -> None:
+        if self.holding and self.gate is not None:
+            self.holding = False
+            self.gate.release()
+
+
 async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
                        direct: bool = False, gate: asyncio.Semaphore | None = None
@@ -93,27 +125,22 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             await buffer.append_audio(chunk)
         await buffer.append_audio(None)
 
+    place = BulkPlace(gate, bulk_steps)
+
     async def feed_tokens() -> None:
         n = 0
         while True:
             await tokens.get()
             n += 1
+            place.on_output(n)
             # After a bulk step the next step needs `bulk` tokens: blanks, as silence gives.
             await buffer.append_tokens([BLANK] * (bulk if n <= bulk_steps else 1))
 
     tasks = [asyncio.create_task(feed_audio()), asyncio.create_task(feed_tokens())]
-    step, holding = 0, False
+    step = 0
     try:
         async for s in buffer.get_input_stream():
-            if gate is not None and bulk_steps:
-                # Step k comes once step k-1's output has: past the last bulk step, the
-                # session's bulk KV is computed and freed, so its place goes to another.
-                if step == 1:
-                    await gate.acquire()
-                    holding = True
-                elif step == bulk_steps + 1 and holding:
-                    gate.release()
-                    holding = False
+            await place.before_step(step)
             step += 1
             engine_input = build(s.prompt) if build is not None else None
             if engine_input is None:
@@ -121,8 +148,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                     [parse_model_prompt(model_config, s.prompt)])
             yield StreamingInput(prompt=engine_input)
     finally:
-        if holding and gate is not None:
-            gate.release()
+        place.release()
         for t in tasks:
             t.cancel()
 

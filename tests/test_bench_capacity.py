@@ -277,3 +277,55 @@ async def test_the_aged_production_feed_ages_each_managers_first_session() -> No
     # then live, in real time, through the manager and the VAD helpers
     assert all(11.0 <= f <= 13.5 for f in result["fps"]), result["fps"]
     assert result["helpers_us_per_chunk"] > 0
+
+
+async def test_a_session_past_its_bulk_steps_frees_its_ageing_place_before_live_audio() -> None:
+    """bench.voxtral_age's gate: a session gives its place back when its last bulk step's
+    output comes, although its next (one-frame) step waits for live audio that comes only
+    once every session has aged. Driven here by plain tasks in the order vLLM's buffer
+    takes its steps: with the place given back at that next step instead, ageing stalled
+    on the H200 once the gate's first 8 sessions were through."""
+    from bench.voxtral_age import BulkPlace
+
+    bulk_steps, sessions, size = 3, 5, 2
+    gate = asyncio.Semaphore(size)
+    live = asyncio.Event()
+    aged = [asyncio.Event() for _ in range(sessions)]
+    in_bulk: list[int] = [0]
+    most: list[int] = [0]
+
+    async def session(i: int) -> None:
+        place = BulkPlace(gate, bulk_steps)
+        try:
+            for step in range(bulk_steps + 3):
+                if step == bulk_steps + 1:
+                    await live.wait()  # the one-frame steps take live audio
+                await place.before_step(step)
+                if step == 1:
+                    in_bulk[0] += 1
+                    most[0] = max(most[0], in_bulk[0])
+                await asyncio.sleep(0.01)  # the step runs; its output comes
+                if step == bulk_steps:
+                    in_bulk[0] -= 1
+                place.on_output(step + 1)
+                if step + 1 == bulk_steps + 1:
+                    aged[i].set()
+        finally:
+            place.release()
+
+    tasks = [asyncio.create_task(session(i)) for i in range(sessions)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in aged)), 5)
+        assert most[0] == size  # the gate still bounds the bulk steps
+        live.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    finally:
+        for t in tasks:
+            t.cancel()
+    assert gate._value == size  # every place came back, once
+    # a session that ends inside its bulk steps gives its place back too
+    early = BulkPlace(gate, bulk_steps)
+    await early.before_step(1)
+    early.release()
+    early.release()
+    assert gate._value == size
