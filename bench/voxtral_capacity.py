@@ -727,13 +727,21 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     util_task = asyncio.create_task(_gpu_util(stop, util, stamps))
     share = [n // len(parts) + (1 if i < n % len(parts) else 0) for i in range(len(parts))]
     firsts = [sum(share[:i]) for i in range(len(parts))]
-    results = await asyncio.gather(*(
+    # Every front end's answer is read before anything fails: a phase left unread on a
+    # pipe was read by the next phase's recv too, in a second thread, and the next
+    # configuration failed with "Ran out of input" (H200, 2026-12-01), hiding its result.
+    answers = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
                         str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
                         melspec=config.endswith(MELSPEC))
-        for (f, p), k, first in zip(parts, share, firsts, strict=True)))
+        for (f, p), k, first in zip(parts, share, firsts, strict=True)),
+        return_exceptions=True)
     stop.set()
     await util_task
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    if failed:
+        raise failed[0] if len(failed) == 1 else RuntimeError("; ".join(f"{e}" for e in failed))
+    results: list[dict[str, Any]] = [a for a in answers if isinstance(a, dict)]
     # GPU use of the measured window only (not ageing, not warm-up)
     measured_from = t_start + max(r.get("aged_in_s", 0.0) for r in results) + WARM_S
     util = [u for u, t in zip(util, stamps, strict=True) if t >= measured_from] or util

@@ -329,3 +329,33 @@ async def test_a_session_past_its_bulk_steps_frees_its_ageing_place_before_live_
     early.release()
     early.release()
     assert gate._value == size
+
+
+async def test_a_failing_front_end_does_not_leave_the_others_answer_on_the_pipe() -> None:
+    """When one of a configuration's front ends fails a phase, the others' answers are
+    still read before the phase fails, and every error is named. Before, the first error
+    left the other front end's answer unread, the next configuration's read met it in a
+    second thread, and that configuration failed with "Ran out of input" (H200)."""
+    finished: list[int] = []
+
+    class Front:  # stands in for FrontEnd's pipe side only
+        def __init__(self, index: int, delay: float, error: str | None) -> None:
+            self.index, self.delay, self.error = index, delay, error
+
+        async def phase(self, *_: Any, **__: Any) -> dict[str, Any]:
+            await asyncio.sleep(self.delay)
+            finished.append(self.index)
+            if self.error:
+                raise RuntimeError(f"front end {self.index}: {self.error}")
+            return {"fps": [12.5], "backlog_s": [0.1], "front_end_us_per_chunk": 1.0,
+                    "engine_core_us_per_chunk": 1.0, "helpers_us_per_chunk": 0.0}
+
+    fronts: Any = {1: Front(1, 0.0, "ageing stalled"), 2: Front(2, 0.3, None)}
+    with pytest.raises(RuntimeError, match="front end 1: ageing stalled"):
+        await capacity.run_config(fronts, "project-direct-x2", 2, 1.0)
+    assert finished == [1, 2]  # front end 2's answer was read before the error came out
+    fronts = {1: Front(1, 0.0, "ageing stalled"), 2: Front(2, 0.1, "Timeout")}
+    with pytest.raises(RuntimeError, match="front end 1: ageing stalled; front end 2: Timeout"):
+        await capacity.run_config(fronts, "project-direct-x2", 2, 1.0)
+    fronts = {1: Front(1, 0.0, None), 2: Front(2, 0.0, None)}
+    assert (await capacity.run_config(fronts, "project-direct-x2", 2, 1.0))["realtime_share"] == 1.0
