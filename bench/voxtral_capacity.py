@@ -19,6 +19,8 @@ orchestrates, samples the GPU and adds up. Configurations:
 - `…+melspec` (any of the project's): the same engines with their engine cores'
   spectrogram made without a GPU wait per chunk (`engine.vllm.sync_free_melspec`,
   switched per phase, so with and without run on the same engines in one run).
+- `…+tokens`, `…+melspec+tokens`: the same with the engine cores' incremental token
+  history writes (`engine.vllm.incremental_token_writes`), switched the same way.
 Front ends 1…N start only if an `-xN` configuration is asked for. Each gets
 `--gpu-memory-utilization / engines` of the GPU (so measure one N per run: a `-x2` run
 next to `-x4` engines would have half the GPU's memory).
@@ -104,16 +106,30 @@ cache). Slow ageing that still moves goes on: four engines on one busy GPU aged 
 sessions for more than 150 s, which a fixed limit took for stuck."""
 _PROJECT = ("project", "project-direct",
             *(f"{c}-x{k}" for k in (2, 3, 4) for c in ("project", "project-direct")))
-CONFIGS = ("stock", *_PROJECT, *(f"{c}+melspec" for c in _PROJECT))
 MELSPEC = "+melspec"
 """A configuration with this suffix runs with the engine cores' sync-free spectrogram
 (engine.vllm.sync_free_melspec), switched per phase on the same engines: the A/B is
 same run, same engines."""
+TOKENS = "+tokens"
+"""…with the engine cores' incremental token-history writes
+(engine.vllm.incremental_token_writes), switched per phase the same way."""
+LEVERS = (MELSPEC, TOKENS)
+CONFIGS = ("stock", *_PROJECT,
+           *(f"{c}{s}" for c in _PROJECT for s in (MELSPEC, TOKENS, MELSPEC + TOKENS)))
+
+
+def base_of(config: str) -> str:
+    """The configuration without its engine-core levers (`+melspec`, `+tokens`)."""
+    while True:
+        lever = next((x for x in LEVERS if config.endswith(x)), None)
+        if lever is None:
+            return config
+        config = config.removesuffix(lever)
 
 
 def engines_of(config: str) -> int:
     """Front ends a configuration runs on: N for `-xN`, else 1."""
-    head, _, k = config.removesuffix(MELSPEC).rpartition("-x")
+    head, _, k = base_of(config).rpartition("-x")
     return int(k) if head and k.isdigit() else 1
 
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
@@ -478,12 +494,19 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         age_concurrency = int(cmd.get("age_concurrency", AGE_CONCURRENCY))
         direct = path == "direct"
         before: Callable[[], Awaitable[None]] | None = None
-        try:  # every phase says which spectrogram its engine core runs
+        try:  # every phase says which spectrogram and token writes its engine core runs
             melspec = await backend.set_melspec(bool(cmd.get("melspec")))
         except Exception as exc:
             melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+        try:
+            tokens = await backend.set_token_writes(bool(cmd.get("tokens")))
+        except Exception as exc:
+            tokens = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
         if cmd.get("melspec") and not melspec.get("on"):
             conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
+            continue
+        if cmd.get("tokens") and not tokens.get("on"):
+            conn.send({"error": f"incremental token writes refused: {tokens.get('why_not')}"})
             continue
         if path == "stock":
             starter: Callable[[int], Awaitable[Handle]] = theirs
@@ -540,6 +563,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                                   cmd.get("profile"))
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
+            result["token_writes"] = bool(tokens.get("on"))
             conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -603,11 +627,12 @@ class FrontEnd:
 
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
-                    profile: str | None = None, melspec: bool = False) -> dict[str, Any]:
+                    profile: str | None = None, melspec: bool = False,
+                    tokens: bool = False) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
-                        "melspec": melspec})
+                        "melspec": melspec, "tokens": tokens})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -696,7 +721,7 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
 def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
     """(front end, path) pairs that run a configuration; sessions split evenly. With
     `shared`, one-engine configurations run on front end 1 (no engine of their own)."""
-    config = config.removesuffix(MELSPEC)
+    config = base_of(config)
     path = "direct" if "direct" in config else ("stock" if config == "stock" else "project")
     k = engines_of(config)
     return [(f, path) for f in range(1, k + 1)] if k > 1 else [(1 if shared else 0, path)]
@@ -733,7 +758,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     answers = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
                         str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
-                        melspec=config.endswith(MELSPEC))
+                        melspec=MELSPEC in config, tokens=TOKENS in config)
         for (f, p), k, first in zip(parts, share, firsts, strict=True)),
         return_exceptions=True)
     stop.set()
@@ -763,6 +788,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "aged_in_s": max(r.get("aged_in_s", 0.0) for r in results),
         "feed": feed,
         "melspec_sync_free": all(r.get("melspec") for r in results),
+        "token_writes_incremental": all(r.get("token_writes") for r in results),
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
     }
 

@@ -102,6 +102,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             reanchor_every=v.reanchor_every, rollover_headroom=v.rollover_headroom,
             direct_input=v.direct_input, kv_cache_dtype=v.kv_cache_dtype,
             sync_free_melspec=v.sync_free_melspec,
+            incremental_token_writes=v.incremental_token_writes,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None

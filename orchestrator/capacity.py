@@ -15,9 +15,11 @@ An operator who measures a bigger machine sets `engine.streams_per_actor` in the
 
 The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes `VLLM_STREAMS_PER_ACTOR`, the knee
 of `bench.voxtral_capacity` for sessions aged 30 minutes on an H200 (16-core Xeon host,
-2026-12-01, production feed): two engines on the GPU (`engines_per_gpu: 2`, each 0.425 of
-its memory, bf16 KV cache, `max_model_len` 16384, re-anchoring every 4096) held 36 aged
-sessions in real time, 18 per engine. The engine's scheduler trace put an aged session at
+2026-12-01, the aged sessions fed to the engine directly): two engines on the GPU
+(`engines_per_gpu: 2`, each 0.425 of its memory, bf16 KV cache, `max_model_len` 16384,
+re-anchoring every 4096) held 36 aged sessions in real time, 18 per engine. With an fp8 KV
+cache and the sync-free spectrogram, 48 aged sessions fed through session managers and VAD
+were real time (24 per engine; 64 not measured), but fp8 is not the default. The engine's scheduler trace put an aged session at
 78 KV blocks of 2,636 (65 for the decoder's 8,192-position window, 13 for the encoder's),
 so KV would allow ~33 per such engine; 48 on the pair was not measured in real time (the
 bench's ageing, not the sessions, filled the cache; see README). New sessions reach ≥ 128

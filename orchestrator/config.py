@@ -201,13 +201,18 @@ class VllmConfig(_Strict):
         default="auto", description="KV cache element type: auto (bf16) or fp8, half the GPU "
                                     "memory per position (sessions aged long are bounded by it)")
     sync_free_melspec: bool = Field(
-        default=False,
+        default=True,
         description="the encoder's spectrogram without a wait on the GPU per 80 ms chunk "
                     "(vLLM 0.26's makes a device tensor per chunk, which waits for the "
-                    "stream); switched on only where it is bitwise equal to vLLM's. Off "
-                    "until a capacity gain is measured: one H200 run gave 6-18 % less "
-                    "engine-core CPU per chunk, no higher knee (bench.voxtral_capacity "
-                    "+melspec, README)")
+                    "stream); switched on only where it is bitwise equal to vLLM's. On the "
+                    "H200 it took 48 sessions aged 30 min from 0 % to 100 % real time on "
+                    "two engines (bench.voxtral_capacity +melspec, README)")
+    incremental_token_writes: bool = Field(
+        default=False,
+        description="stage a streaming session's token history on the GPU once instead of "
+                    "again at every 80 ms chunk (vLLM 0.26's V2 runner rewrites it whole); "
+                    "switched on only where a check on the GPU leaves the rows as vLLM's "
+                    "writes would. Off until its capacity A/B on the GPU (README)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

@@ -82,6 +82,17 @@ def test_a_melspec_configuration_runs_where_its_base_runs() -> None:
     assert feed_of("project-direct-x2+melspec", production=True, age_frames=0) == "production"
 
 
+def test_the_token_writes_lever_runs_alone_or_with_the_spectrogram() -> None:
+    """`+tokens` and `+melspec+tokens` switch the engine cores' token writes on the same
+    engines; the base configuration is the same."""
+    for c in ("project-direct-x2+tokens", "project-direct-x2+melspec+tokens"):
+        assert c in capacity.CONFIGS
+        assert capacity.base_of(c) == "project-direct-x2"
+        assert plan(c) == plan("project-direct-x2") and engines_of(c) == 2
+    assert "stock+tokens" not in capacity.CONFIGS
+    assert capacity.base_of("project+tokens+melspec") == "project"
+
+
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
     assert plan("stock", shared=True) == [(1, "stock")]
     assert plan("project-direct", shared=True) == [(1, "direct")]

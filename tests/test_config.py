@@ -325,7 +325,8 @@ def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     assert kw["max_num_seqs"] == 20 and kw["max_num_batched_tokens"] == 8000
     assert kw["tokenizer_mode"] == "mistral" and kw["load_format"] == "mistral"
     assert kw["max_model_len"] == 16384
-    assert opts.sync_free_melspec is False  # until its capacity is measured
+    assert opts.sync_free_melspec is True  # measured: README
+    assert opts.incremental_token_writes is False  # until its capacity is measured
 
 
 def test_vllm_delay_in_yaml_is_refused_with_where_it_comes_from(tmp_path: Path) -> None:

@@ -431,3 +431,37 @@ def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
     assert len(got["before"]) >= frames - 10
     assert got["before"] == got["after"], REPORT["melspec"]
     assert got["with"] == got["before"], REPORT["melspec"]
+
+
+def test_incremental_token_writes_decode_what_vllms_writes_decode(
+    engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
+) -> None:
+    """engine.vllm.incremental_token_writes: the engine core checks it with vLLM's own
+    StagedWriteTensor on the GPU before it switches; then one request, resumed for every
+    chunk, fed the same audio and tokens, decodes the same tokens with it as with vLLM's
+    whole-history writes (off, on, off), and stages far fewer tokens."""
+    pcm = speech()
+    backend: Any = engine.backend
+    frames = 400
+
+    async def run() -> dict[str, Any]:
+        before = await teacher_forced(backend, pcm, frames, "tok-off-1", None)
+        on = await backend.set_token_writes(True)
+        with_it = await teacher_forced(backend, pcm, frames, "tok-on", None)
+        stats = await backend.reanchor_stats()
+        off = await backend.set_token_writes(False)
+        after = await teacher_forced(backend, pcm, frames, "tok-off-2", None)
+        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
+                "after": after, "counts": stats.get("token_writes")}
+
+    got = loop.run_until_complete(run())
+    REPORT["token_writes"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
+                              "counts": got["counts"], "equal": got["with"] == got["before"],
+                              "deterministic": got["before"] == got["after"]}
+    assert got["switch_on"] == {"on": True, "why_not": None}, got["switch_on"]
+    assert got["switch_off"]["on"] is False
+    assert len(got["before"]) >= frames - 10
+    assert got["before"] == got["after"], REPORT["token_writes"]
+    assert got["with"] == got["before"], REPORT["token_writes"]
+    counts = got["counts"]
+    assert counts and counts["asked"] > 20 * counts["staged"], counts

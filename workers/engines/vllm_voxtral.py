@@ -175,6 +175,14 @@ class _AsyncLLMBackend:
         (answer,) = await self.llm.collective_rpc("babelcast_melspec", args=(on,))
         return dict(answer)
 
+    async def set_token_writes(self, on: bool) -> dict[str, Any]:
+        """A streaming session's token history staged once instead of at every chunk, or
+        vLLM's whole-history writes (vllm_reanchor/token_writes.py): the plugin worker's."""
+        if not self.reanchor_requested:
+            return {"on": False, "why_not": "the plugin worker is not loaded"}
+        (answer,) = await self.llm.collective_rpc("babelcast_token_writes", args=(on,))
+        return dict(answer)
+
     @property
     def errored(self) -> bool:
         return bool(self.llm.errored)
@@ -232,6 +240,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
         self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
+        self.token_writes: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.reanchor_counts: dict[str, Any] = {}
         self._shifts: dict[str, int] = {}  # our request id → positions shifted so far
         self._stats_task: asyncio.Task[None] | None = None
@@ -274,6 +283,14 @@ class VllmVoxtralEngine(SpeechEngine):
                 self.melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
             log.info("vllm engine: sync-free spectrogram %s",
                      "on" if self.melspec.get("on") else f"off ({self.melspec.get('why_not')})")
+        if self.options.incremental_token_writes:
+            try:
+                self.token_writes = await real.set_token_writes(True)
+            except Exception as exc:  # vLLM's whole-history writes stay
+                self.token_writes = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+            log.info("vllm engine: incremental token writes %s",
+                     "on" if self.token_writes.get("on")
+                     else f"off ({self.token_writes.get('why_not')})")
         self._start_stats()
 
     def _fits(self) -> bool:
@@ -347,6 +364,7 @@ class VllmVoxtralEngine(SpeechEngine):
         return {"engine_mode": self.mode,
                 "engine_input": "direct" if self.direct_input else "renderer",
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
+                "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 **({"vllm": version} if version else {})}
 
     def stats(self) -> dict[str, float]:

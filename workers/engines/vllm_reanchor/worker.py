@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from workers.engines.vllm_reanchor import melspec
+from workers.engines.vllm_reanchor import melspec, token_writes
 from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
 from workers.engines.vllm_reanchor.rope import RopeStyle, unrotate_blocks_
 from workers.engines.vllm_reanchor.scheduler import FAILURES_ATTR, REANCHORS_ATTR
@@ -135,11 +135,20 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         except Exception as exc:  # never kill the engine core over an optimisation
             return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
 
+    def babelcast_token_writes(self, on: bool) -> dict[str, Any]:
+        """A streaming session's token history staged once, not at every chunk
+        (token_writes.py)."""
+        try:
+            return token_writes.switch(self.model_runner, bool(on))
+        except Exception as exc:  # never kill the engine core over an optimisation
+            return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
                 "failures": dict(self._bc_failures()),
-                "shift_by_request": dict(self._bc_shifts())}
+                "shift_by_request": dict(self._bc_shifts()),
+                "token_writes": token_writes.counts(self.model_runner)}
 
     # ---- per step --------------------------------------------------------------
     def _bc_counts(self) -> Counter[str]:
