@@ -17,15 +17,14 @@ The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes `VLLM_STREAMS_PER_ACTO
 of `bench.voxtral_capacity` for sessions aged 30 minutes on an H200 (16-core Xeon host,
 2026-12-01, the aged sessions fed to the engine directly): two engines on the GPU
 (`engines_per_gpu: 2`, each 0.425 of its memory, bf16 KV cache, `max_model_len` 16384,
-re-anchoring every 4096) held 36 aged sessions in real time, 18 per engine. With an fp8 KV
-cache and the sync-free spectrogram, 48 aged sessions fed through session managers and VAD
-were real time (24 per engine; 64 not measured), but fp8 is not the default. The engine's scheduler trace put an aged session at
-78 KV blocks of 2,636 (65 for the decoder's 8,192-position window, 13 for the encoder's),
-so KV would allow ~33 per such engine; 48 on the pair was not measured in real time (the
-bench's ageing, not the sessions, filled the cache; see README). New sessions reach ≥ 128
-per GPU (64 per engine), so the aged knee, 18 per engine, is the budget. An engine that
-has the whole GPU (`engines_per_gpu: 1`) has about twice the KV cache; it is given the same
-budget until its own aged knee is measured.
+re-anchoring every 4096) held 36 aged sessions in real time, 18 per engine. The engine's
+scheduler trace put an aged session at 78 KV blocks of 2,636 (65 for the decoder's
+8,192-position window, 13 for the encoder's), so KV would allow ~33 per such engine. With
+an fp8 KV cache and the sync-free spectrogram, 48 aged sessions fed through session
+managers and VAD were real time (24 per engine; 64 not measured), but fp8 is not the
+default. New sessions reach ≥ 128 per GPU (64 per engine), so the aged knee, 18 per
+engine, is the budget. An engine that has the whole GPU (`engines_per_gpu: 1`) has about
+twice the KV cache; it is given the same budget until its own aged knee is measured.
 """
 
 from __future__ import annotations
