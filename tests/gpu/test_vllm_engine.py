@@ -405,20 +405,23 @@ def test_a_reanchored_session_decodes_what_an_unmoved_one_decodes(
 def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
     engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """engine.vllm.sync_free_melspec: the engine core checks it against vLLM's method on
-    the GPU before it switches; then one request, fed the same audio and the same tokens,
-    decodes the same tokens with it as with vLLM's (run off, on, off: the two offs show
-    the run is deterministic)."""
+    """engine.vllm.sync_free_melspec (on by default, so the engine here starts with it):
+    the engine core checks it against vLLM's method on the GPU before it switches; then one
+    request, fed the same audio and the same tokens, decodes the same tokens with it as with
+    vLLM's (run off, on, off: the two offs show the run is deterministic)."""
+    assert engine.describe()["engine_melspec"] == "sync-free", engine.melspec
     pcm = speech()
     backend: Any = engine.backend
     frames = 150
 
     async def run() -> dict[str, Any]:
+        await backend.set_melspec(False)  # the engine starts with it on (the default)
         before = await teacher_forced(backend, pcm, frames, "mel-off-1", None)
         on = await backend.set_melspec(True)
         with_it = await teacher_forced(backend, pcm, frames, "mel-on", None)
         off = await backend.set_melspec(False)
         after = await teacher_forced(backend, pcm, frames, "mel-off-2", None)
+        await backend.set_melspec(True)  # the default again, for the tests after this one
         return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
                 "after": after}
 
@@ -445,6 +448,7 @@ def test_incremental_token_writes_decode_what_vllms_writes_decode(
     frames = 400
 
     async def run() -> dict[str, Any]:
+        await backend.set_token_writes(False)  # off by default; said again
         before = await teacher_forced(backend, pcm, frames, "tok-off-1", None)
         on = await backend.set_token_writes(True)
         with_it = await teacher_forced(backend, pcm, frames, "tok-on", None)
