@@ -810,6 +810,18 @@ def knees(levels: dict[int, dict[str, list[dict[str, Any]]]], configs: list[str]
     return out
 
 
+def knee_ratios_at_least(found: dict[str, int | None], ladder: list[int]
+                         ) -> dict[str, float | None]:
+    """Per project configuration, a floor under its knee's ratio to stock's. A knee at the
+    ladder's top only says "at least", and a stock path that missed the ladder's first
+    level held fewer sessions than that level: then the ratio is more than knee / first
+    level, where `knee_ratio_vs_stock` can say nothing."""
+    base = found.get("stock")
+    floor = base if base else (min(ladder) if "stock" in found and ladder else None)
+    return {c: (round(v / floor, 3) if v and floor else None)
+            for c, v in found.items() if c != "stock"}
+
+
 def rotated(configs: list[str], k: int) -> list[str]:
     k %= len(configs)
     return configs[k:] + configs[:k]
@@ -937,6 +949,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "knee": found,
         "knee_ratio_vs_stock": {c: (round(v / base, 3) if v and base else None)
                                 for c, v in found.items() if c != "stock"},
+        "knee_ratio_vs_stock_at_least": knee_ratios_at_least(found, ladder),
         "by_level": summary,
         "rounds_raw": levels,
         "age_min": args.age_min[0] if age_frames else None,

@@ -370,3 +370,16 @@ async def test_a_failing_front_end_does_not_leave_the_others_answer_on_the_pipe(
         await capacity.run_config(fronts, "project-direct-x2", 2, 1.0)
     fronts = {1: Front(1, 0.0, None), 2: Front(2, 0.0, None)}
     assert (await capacity.run_config(fronts, "project-direct-x2", 2, 1.0))["realtime_share"] == 1.0
+
+
+def test_a_stock_path_that_misses_the_first_level_still_gives_a_floor_for_the_ratio() -> None:
+    """Stock held none of the first level: its knee is below it, so the project's ratio
+    is more than knee / first level (the H200 runs: stock 0 % at 96, the project ≥ 128)."""
+    ladder = [96, 128]
+    found: dict[str, int | None] = {"stock": None, "project-direct-x2": 128, "project": None}
+    assert capacity.knee_ratios_at_least(found, ladder) == {"project-direct-x2": 1.333,
+                                                           "project": None}
+    found = {"stock": 64, "project-direct-x2": 128}
+    assert capacity.knee_ratios_at_least(found, [64, 96, 128]) == {"project-direct-x2": 2.0}
+    # without stock in the run there is nothing to compare with
+    assert capacity.knee_ratios_at_least({"project": 96}, [96]) == {"project": None}
