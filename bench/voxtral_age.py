@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.voxtral_capacity import _gpu_util, speech  # noqa: E402
+from bench.voxtral_capacity import _gpu_util, speech, speech_frame  # noqa: E402
 from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
 
 FRAME = 1280
@@ -173,8 +173,7 @@ class Session:
             self.push()
 
     def push(self) -> None:
-        j = (self.offset + self.fed * FRAME) % (self.audio.size - FRAME)
-        self.q.put_nowait(self.audio[j : j + FRAME].astype(np.float32) / 32768.0)
+        self.q.put_nowait(speech_frame(self.audio, self.offset, self.fed))
         self.fed += 1
 
     async def _run(self, backend: Any, every: int | None, bulk: int, steps: int) -> None:

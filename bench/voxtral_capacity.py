@@ -89,7 +89,11 @@ sys.path.insert(0, str(ROOT))
 from workers.engines import vad  # noqa: E402
 from workers.engines.base import SessionOptions  # noqa: E402
 from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV  # noqa: E402
-from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
+from workers.engines.vllm_voxtral import (  # noqa: E402
+    VllmEngineOptions,
+    VllmVoxtralEngine,
+    switch_lever,
+)
 from workers.events import AudioChunk  # noqa: E402
 
 FRAME = 1280
@@ -331,13 +335,16 @@ async def prefixed(first: list[np.ndarray], rest: AsyncIterator[np.ndarray]
         yield frame
 
 
+def speech_frame(audio: np.ndarray, offset: int, k: int) -> np.ndarray:
+    """The `k`-th 80 ms frame from `offset` of the bench's speech (wrapping), as the model's
+    buffer takes it: float32 in [-1, 1)."""
+    j = (offset + k * FRAME) % (audio.size - FRAME)
+    return audio[j : j + FRAME].astype(np.float32) / 32768.0
+
+
 def ageing_audio(audio: np.ndarray, offset: int, frames: int) -> list[np.ndarray]:
     """`frames` 80 ms frames of the bench's speech as the model's buffer takes them."""
-    out = []
-    for k in range(frames):
-        j = (offset + k * FRAME) % (audio.size - FRAME)
-        out.append(audio[j : j + FRAME].astype(np.float32) / 32768.0)
-    return out
+    return [speech_frame(audio, offset, k) for k in range(frames)]
 
 
 async def until_first_sessions_aged(opened: dict[str, list[Any]], streams: int,
@@ -348,9 +355,8 @@ async def until_first_sessions_aged(opened: dict[str, list[Any]], streams: int,
             sessions and sessions[0].outputs >= outputs for sessions in opened.values())
 
     async def all_there() -> None:
-        for _ in itertools.count():  # the sessions' counters: no event to wait on
-            if aged():
-                return
+        # the sessions' counters move in the engine's tasks: there is no event to wait on
+        while not aged():  # noqa: ASYNC110
             await asyncio.sleep(0.2)
 
     await until_aged(all_there(), lambda: sum(x[0].outputs for x in opened.values() if x))
@@ -494,14 +500,9 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         age_concurrency = int(cmd.get("age_concurrency", AGE_CONCURRENCY))
         direct = path == "direct"
         before: Callable[[], Awaitable[None]] | None = None
-        try:  # every phase says which spectrogram and token writes its engine core runs
-            melspec = await backend.set_melspec(bool(cmd.get("melspec")))
-        except Exception as exc:
-            melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
-        try:
-            tokens = await backend.set_token_writes(bool(cmd.get("tokens")))
-        except Exception as exc:
-            tokens = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+        # every phase says which spectrogram and token writes its engine core runs
+        melspec = await switch_lever(backend, "set_melspec", bool(cmd.get("melspec")))
+        tokens = await switch_lever(backend, "set_token_writes", bool(cmd.get("tokens")))
         if cmd.get("melspec") and not melspec.get("on"):
             conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
             continue

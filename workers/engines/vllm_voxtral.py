@@ -120,6 +120,21 @@ def gpu_start_lock(folder: str | None = None) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _log_lever(name: str, answer: dict[str, Any]) -> None:
+    log.info("vllm engine: %s %s", name,
+             "on" if answer.get("on") else f"off ({answer.get('why_not')})")
+
+
+async def switch_lever(backend: Any, setter: str, on: bool) -> dict[str, Any]:
+    """Switch an engine-core lever through `backend.<setter>(on)` (`set_melspec`,
+    `set_token_writes`); a backend without it, or a switch that fails, leaves vLLM's own
+    way on and says why."""
+    try:
+        return dict(await getattr(backend, setter)(on))
+    except Exception as exc:
+        return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+
+
 class _AsyncLLMBackend:
     """The real thing: one AsyncLLM in this process (the actor's GPU)."""
 
@@ -169,18 +184,19 @@ class _AsyncLLMBackend:
 
     async def set_melspec(self, on: bool) -> dict[str, Any]:
         """The encoder's spectrogram without a GPU wait per chunk, or vLLM's
-        (vllm_reanchor/melspec.py): only the plugin worker has the switch."""
-        if not self.reanchor_requested:
-            return {"on": False, "why_not": "the plugin worker is not loaded"}
-        (answer,) = await self.llm.collective_rpc("babelcast_melspec", args=(on,))
-        return dict(answer)
+        (vllm_reanchor/melspec.py)."""
+        return await self._plugin_switch("babelcast_melspec", on)
 
     async def set_token_writes(self, on: bool) -> dict[str, Any]:
         """A streaming session's token history staged once instead of at every chunk, or
-        vLLM's whole-history writes (vllm_reanchor/token_writes.py): the plugin worker's."""
+        vLLM's whole-history writes (vllm_reanchor/token_writes.py)."""
+        return await self._plugin_switch("babelcast_token_writes", on)
+
+    async def _plugin_switch(self, method: str, on: bool) -> dict[str, Any]:
+        """Only the plugin worker has the engine-core levers."""
         if not self.reanchor_requested:
             return {"on": False, "why_not": "the plugin worker is not loaded"}
-        (answer,) = await self.llm.collective_rpc("babelcast_token_writes", args=(on,))
+        (answer,) = await self.llm.collective_rpc(method, args=(on,))
         return dict(answer)
 
     @property
@@ -277,20 +293,11 @@ class VllmVoxtralEngine(SpeechEngine):
         log.info("vllm %s engine: %s (%s)", real.version, self.mode,
                  self.reanchor_probe.get("why_not") or "ok")
         if self.options.sync_free_melspec:
-            try:
-                self.melspec = await real.set_melspec(True)
-            except Exception as exc:  # vLLM's own spectrogram stays
-                self.melspec = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
-            log.info("vllm engine: sync-free spectrogram %s",
-                     "on" if self.melspec.get("on") else f"off ({self.melspec.get('why_not')})")
+            self.melspec = await switch_lever(real, "set_melspec", True)
+            _log_lever("sync-free spectrogram", self.melspec)
         if self.options.incremental_token_writes:
-            try:
-                self.token_writes = await real.set_token_writes(True)
-            except Exception as exc:  # vLLM's whole-history writes stay
-                self.token_writes = {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
-            log.info("vllm engine: incremental token writes %s",
-                     "on" if self.token_writes.get("on")
-                     else f"off ({self.token_writes.get('why_not')})")
+            self.token_writes = await switch_lever(real, "set_token_writes", True)
+            _log_lever("incremental token writes", self.token_writes)
         self._start_stats()
 
     def _fits(self) -> bool:

@@ -95,7 +95,7 @@ def check(cls: Any, device: torch.device, dtype: torch.dtype, uva: bool = False)
             plain.gpu[row, pos] = token
             ours.gpu[row, pos] = token
         for row, tokens in writes:
-            type(plain).stage_write(plain, row, 0, tokens)
+            plain.stage_write(row, 0, tokens)
             ours.stage_write(row, 0, tokens)
         plain.apply_write()
         ours.apply_write()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,14 @@ class _Layer:
     group: int
     keys: torch.Tensor  # [blocks, block_size, heads, head_dim] view of the key half
     style: RopeStyle
+
+
+def _lever(switch: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """An engine-core lever's switch: never kill the engine core over an optimisation."""
+    try:
+        return switch()
+    except Exception as exc:
+        return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
 
 
 class ReanchorWorker(Worker):  # type: ignore[misc]
@@ -130,18 +139,12 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
 
     def babelcast_melspec(self, on: bool) -> dict[str, Any]:
         """The encoder's spectrogram without a GPU wait per audio item (melspec.py)."""
-        try:
-            return melspec.switch(self._bc_model(), bool(on))
-        except Exception as exc:  # never kill the engine core over an optimisation
-            return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+        return _lever(lambda: melspec.switch(self._bc_model(), bool(on)))
 
     def babelcast_token_writes(self, on: bool) -> dict[str, Any]:
         """A streaming session's token history staged once, not at every chunk
         (token_writes.py)."""
-        try:
-            return token_writes.switch(self.model_runner, bool(on))
-        except Exception as exc:  # never kill the engine core over an optimisation
-            return {"on": False, "why_not": f"{type(exc).__name__}: {exc}"}
+        return _lever(lambda: token_writes.switch(self.model_runner, bool(on)))
 
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
         return {"reanchors": self._bc_counts()["reanchors"],
