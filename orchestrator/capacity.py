@@ -13,18 +13,25 @@ can use (its `cpu_threads`, at most the host's cores shared among the actors):
 
 An operator who measures a bigger machine sets `engine.streams_per_actor` in the event file.
 
-The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes `VLLM_STREAMS_PER_ACTOR`, the knee
-of `bench.voxtral_capacity` for sessions aged 30 minutes on an H200 (16-core Xeon host,
-2026-12-01, the aged sessions fed to the engine directly): two engines on the GPU
-(`engines_per_gpu: 2`, each 0.425 of its memory, bf16 KV cache, `max_model_len` 16384,
-re-anchoring every 4096) held 36 aged sessions in real time, 18 per engine. The engine's
-scheduler trace put an aged session at 78 KV blocks of 2,636 (65 for the decoder's
-8,192-position window, 13 for the encoder's), so KV would allow ~33 per such engine. With
-an fp8 KV cache and the sync-free spectrogram, 48 aged sessions fed through session
-managers and VAD were real time (24 per engine; 64 not measured), but fp8 is not the
-default. New sessions reach ≥ 128 per GPU (64 per engine), so the aged knee, 18 per
-engine, is the budget. An engine that has the whole GPU (`engines_per_gpu: 1`) has about
-twice the KV cache; it is given the same budget until its own aged knee is measured.
+The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes the knee of `bench.voxtral_capacity`
+for sessions aged 30 minutes on an H200 (16-core Xeon host), per engine:
+
+- bf16 KV cache (`kv_cache_dtype: auto`, the default): `VLLM_STREAMS_PER_ACTOR`, 18. Two
+  engines on the GPU (`engines_per_gpu: 2`, each 0.425 of its memory, `max_model_len`
+  16384, re-anchoring every 4096) held 36 aged sessions in real time (2026-12-01, fed to the
+  engine directly, before the engine-core levers below). The scheduler trace put an aged
+  session at 78 KV blocks of 2,636, so KV would allow ~33 per such engine; that is not
+  measured in real time with the levers on.
+- fp8 KV cache, one or two engines per GPU: `VLLM_FP8_STREAMS_PER_ACTOR`, 36. With the
+  sync-free spectrogram and incremental token writes (both on by default), two engines held
+  72 aged sessions fed through session managers and VAD in real time (2026-12-01, GPU 99 %
+  busy); at 80 one engine's KV cache filled (40 aged sessions need ~130 blocks each of its
+  5,117) and its sessions stopped getting steps. An engine with the whole GPU has twice the
+  cache; it is given the same budget until its own aged knee is measured.
+- More than two engines per GPU: each has less KV cache than was measured, so the bf16
+  figure stays, and an operator sets `engine.streams_per_actor` from their own run.
+
+New sessions reach ≥ 128 per GPU (64 per engine), so the aged knee is the budget.
 """
 
 from __future__ import annotations
@@ -34,6 +41,17 @@ import os
 
 REALTIME_STREAMS_PER_CORE = {"whisper-base": 1.5, "tiny.en": 3.0}
 VLLM_STREAMS_PER_ACTOR = 18
+VLLM_FP8_STREAMS_PER_ACTOR = 36
+
+
+def vllm_streams_per_actor(vllm: object) -> int:
+    """The measured aged knee per engine for an event file's `engine.vllm` section (a
+    mapping, or None for the defaults), read before validation."""
+    section = vllm if isinstance(vllm, dict) else {}
+    engines = section.get("engines_per_gpu", 1)
+    if section.get("kv_cache_dtype") == "fp8" and isinstance(engines, int) and engines <= 2:
+        return VLLM_FP8_STREAMS_PER_ACTOR
+    return VLLM_STREAMS_PER_ACTOR
 
 
 def default_streams_per_actor(model: str, cpu_threads: int, actors: int,

@@ -182,9 +182,9 @@ class VllmConfig(_Strict):
     engines_per_gpu: int = Field(
         default=1, ge=1, le=8,
         description="ASR actors (each a vLLM engine with its own front-end process) that "
-                    "share one GPU; each takes gpu_memory_utilization / engines_per_gpu. One "
-                    "engine's per-chunk Python work, not the GPU, bounds its sessions "
-                    "(bench.voxtral_capacity)")
+                    "share one GPU; each takes gpu_memory_utilization / engines_per_gpu. Two "
+                    "held more than one (one engine's per-chunk Python work bounded it); four "
+                    "no more than two (bench.voxtral_capacity, README)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
@@ -208,11 +208,12 @@ class VllmConfig(_Strict):
                     "H200 it took 48 sessions aged 30 min from 0 % to 100 % real time on "
                     "two engines (bench.voxtral_capacity +melspec, README)")
     incremental_token_writes: bool = Field(
-        default=False,
+        default=True,
         description="stage a streaming session's token history on the GPU once instead of "
                     "again at every 80 ms chunk (vLLM 0.26's V2 runner rewrites it whole); "
                     "switched on only where a check on the GPU leaves the rows as vLLM's "
-                    "writes would. Off until its capacity A/B on the GPU (README)")
+                    "writes would. On the H200 it took 56 sessions aged 30 min from 0 % to "
+                    "100 % real time on two engines (bench.voxtral_capacity +tokens, README)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "
@@ -302,10 +303,10 @@ class EngineConfig(_Strict):
     def _default_streams(cls, data: Any) -> Any:
         # Measured per model and core (orchestrator/capacity.py): never past the knee.
         if isinstance(data, dict) and data.get("streams_per_actor") is None:
-            from orchestrator.capacity import VLLM_STREAMS_PER_ACTOR, default_streams_per_actor
+            from orchestrator.capacity import default_streams_per_actor, vllm_streams_per_actor
 
             if data.get("kind") == "vllm":
-                data = {**data, "streams_per_actor": VLLM_STREAMS_PER_ACTOR}
+                data = {**data, "streams_per_actor": vllm_streams_per_actor(data.get("vllm"))}
             elif data.get("kind", "embedded") == "embedded":
                 data = {**data, "streams_per_actor": default_streams_per_actor(
                     str(data.get("model", "whisper-base")), data.get("cpu_threads", 2),

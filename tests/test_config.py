@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from orchestrator.capacity import (
     REALTIME_STREAMS_PER_CORE,
+    VLLM_FP8_STREAMS_PER_ACTOR,
     VLLM_STREAMS_PER_ACTOR,
     default_streams_per_actor,
 )
@@ -326,7 +327,7 @@ def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     assert kw["tokenizer_mode"] == "mistral" and kw["load_format"] == "mistral"
     assert kw["max_model_len"] == 16384
     assert opts.sync_free_melspec is True  # measured: README
-    assert opts.incremental_token_writes is False  # until its capacity is measured
+    assert opts.incremental_token_writes is True  # measured: README
 
 
 def test_vllm_delay_in_yaml_is_refused_with_where_it_comes_from(tmp_path: Path) -> None:
@@ -371,6 +372,20 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     # vllm: the aged knee of bench.voxtral_capacity (orchestrator/capacity.py)
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m}\nstreams: [{id: a, source: push}]")
     assert cfg.engine.streams_per_actor == VLLM_STREAMS_PER_ACTOR == 18
+    # fp8 KV on one or two engines per GPU: its own measured knee; more engines per GPU
+    # have less KV cache than was measured, so they keep the bf16 figure
+    def vllm(section: str) -> int:
+        text = ("event: x\nengine: {kind: vllm, model: /m, vllm: {" + section + "}}\n"
+                "streams: [{id: a, source: push}]")
+        return parse_event(text).engine.streams_per_actor
+
+    assert vllm("kv_cache_dtype: fp8") == VLLM_FP8_STREAMS_PER_ACTOR == 36
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 2") == 36
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 4") == 18
+    assert vllm("kv_cache_dtype: auto, engines_per_gpu: 2") == 18
+    cfg = parse_event("event: x\nengine: {kind: vllm, model: /m, streams_per_actor: 5, "
+                      "vllm: {kv_cache_dtype: fp8}}\nstreams: [{id: a, source: push}]")
+    assert cfg.engine.streams_per_actor == 5
 
 
 def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:

@@ -309,12 +309,16 @@ def _engine_core_pids() -> list[int]:
     return core or [p.pid for p in children]
 
 
-def test_one_session_runs_three_times_max_model_len_at_flat_cost(
+def test_one_session_runs_three_times_max_model_len(
     engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
 ) -> None:
     """Fed faster than real time, one re-anchoring session decodes 3 × max_model_len
-    frames; the CPU per decoded frame (this process: front end and session; the engine
-    core process: scheduler and runner) at age 2 × max_model_len is that of age 0."""
+    frames, re-anchoring as it goes, with no failure. The CPU per decoded frame (this
+    process: front end and session; the engine core process: scheduler and runner) at age
+    0 and at age 2 × max_model_len goes to the report only: over a 5 s window fed faster
+    than real time, with the core's spinning on the GPU inside it, the ratio was 1.13,
+    0.97, 1.40 and 0.68 on four H200 hosts, so it is a benchmark's figure
+    (`bench.voxtral_age`, cost per chunk by age at real-time pace), not a test's."""
     pcm = speech()
     core = _engine_core_pids()
     assert core, "no engine-core process found"
@@ -364,8 +368,6 @@ def test_one_session_runs_three_times_max_model_len_at_flat_cost(
     assert engine.overruns == 0
     assert stats.get("reanchors", 0) >= (frames - 2 * WINDOW) // 256 - 1, stats
     assert not stats.get("failures"), stats
-    assert old[0] <= 1.2 * young[0] + 50, REPORT["flat_cost"]
-    assert old[1] <= 1.2 * young[1] + 50, REPORT["flat_cost"]
 
 
 def test_a_reanchored_session_decodes_what_an_unmoved_one_decodes(
@@ -439,22 +441,25 @@ def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
 def test_incremental_token_writes_decode_what_vllms_writes_decode(
     engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """engine.vllm.incremental_token_writes: the engine core checks it with vLLM's own
-    StagedWriteTensor on the GPU before it switches; then one request, resumed for every
-    chunk, fed the same audio and tokens, decodes the same tokens with it as with vLLM's
-    whole-history writes (off, on, off), and stages far fewer tokens."""
+    """engine.vllm.incremental_token_writes (on by default, so the engine here starts with
+    it): the engine core checks it with vLLM's own StagedWriteTensor on the GPU before it
+    switches; then one request, resumed for every chunk, fed the same audio and tokens,
+    decodes the same tokens with it as with vLLM's whole-history writes (off, on, off), and
+    stages far fewer tokens."""
+    assert engine.describe()["engine_token_writes"] == "incremental", engine.token_writes
     pcm = speech()
     backend: Any = engine.backend
     frames = 400
 
     async def run() -> dict[str, Any]:
-        await backend.set_token_writes(False)  # off by default; said again
+        await backend.set_token_writes(False)  # the engine starts with it on (the default)
         before = await teacher_forced(backend, pcm, frames, "tok-off-1", None)
         on = await backend.set_token_writes(True)
         with_it = await teacher_forced(backend, pcm, frames, "tok-on", None)
         stats = await backend.reanchor_stats()
         off = await backend.set_token_writes(False)
         after = await teacher_forced(backend, pcm, frames, "tok-off-2", None)
+        await backend.set_token_writes(True)  # the default again, for the tests after this one
         return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
                 "after": after, "counts": stats.get("token_writes")}
 
