@@ -38,6 +38,20 @@ from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  #
 
 FRAME = 1280
 BLANK = 32
+SETTLE_FRAMES = 2
+
+
+def ageing_frames(steps: int, bulk: int) -> int:
+    """Audio frames an ageing session is given before its live audio: its first prompt
+    with the look-ahead (8), its bulk steps, and `SETTLE_FRAMES` one-frame steps.
+
+    The one-frame steps let vLLM drop what the last bulk step holds outside the sliding
+    windows: it frees those blocks only when it schedules the request again, and live
+    audio comes only once every session has aged. Without them each aged session waited
+    holding its last bulk step's encoder blocks (59 fp8 blocks where a session fed in real
+    time holds 13), and 80 sessions on two engines filled one engine's cache while ageing
+    (H200, 2026-12-01), a bound no production session meets."""
+    return 8 + steps * bulk + SETTLE_FRAMES
 
 
 class BulkPlace:
@@ -169,7 +183,7 @@ class Session:
         self.direct = direct
         self.gate = gate
         self.task = asyncio.create_task(self._run(backend, every, bulk, steps))
-        for _ in range(8 + steps * bulk if prefeed else 0):  # first prompt, bulk, look-ahead
+        for _ in range(ageing_frames(steps, bulk) if prefeed else 0):
             self.push()
 
     def push(self) -> None:

@@ -525,7 +525,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             if not age_gate:
                 age_gate.append(asyncio.Semaphore(age_concurrency))
             steps = age_frames // AGE_BULK
-            from bench.voxtral_age import aged_prompts
+            from bench.voxtral_age import aged_prompts, ageing_frames
 
             sessions_aged = itertools.count()
 
@@ -534,7 +534,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                        count: Iterator[int] = sessions_aged) -> AsyncIterator[Any]:
                 k = next(count)  # sessions start at different places in the speech
                 frames = ageing_audio(audio, (k * 7919 * FRAME) % audio.size,
-                                      8 + steps * AGE_BULK)  # first prompt, bulk, look-ahead
+                                      ageing_frames(steps, AGE_BULK))
                 return aged_prompts(backend, prefixed(frames, live), tokens, AGE_BULK, steps,
                                     direct, age_gate[0])
 

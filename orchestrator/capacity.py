@@ -25,9 +25,9 @@ for sessions aged 30 minutes on an H200 (16-core Xeon host), per engine:
 - fp8 KV cache, one or two engines per GPU: `VLLM_FP8_STREAMS_PER_ACTOR`, 36. With the
   sync-free spectrogram and incremental token writes (both on by default), two engines held
   72 aged sessions fed through session managers and VAD in real time (2026-12-01, GPU 99 %
-  busy); at 80 one engine's KV cache filled (40 aged sessions need ~130 blocks each of its
-  5,117) and its sessions stopped getting steps. An engine with the whole GPU has twice the
-  cache; it is given the same budget until its own aged knee is measured.
+  busy; 80 stalled in the bench's own ageing, fixed since, not measured again). An engine
+  with the whole GPU has twice the cache; it is given the same budget until its own aged
+  knee is measured.
 - More than two engines per GPU: each has less KV cache than was measured, so the bf16
   figure stays, and an operator sets `engine.streams_per_actor` from their own run.
 
