@@ -127,6 +127,19 @@ def test_geometry_of_voxtral_groups() -> None:
         _ = full.keep
 
 
+def test_an_aged_session_holds_each_window_in_blocks_plus_the_one_being_filled() -> None:
+    # The H200's KV trace: 65 decoder + 13 encoder blocks per aged session; 2,636 bf16 and
+    # 5,117 fp8 blocks per engine (0.425 of the GPU each).
+    g = geometry_of(voxtral())
+    assert g.aged_blocks == 65 + 13
+    assert g.sessions_by_kv(2636) == 33 and g.sessions_by_kv(5117) == 65
+    assert g.sessions_by_kv(77) == 0
+    assert Geometry((16,), (None,)).aged_blocks is None  # full attention grows with age
+    assert Geometry((16, 16), (None, 64)).sessions_by_kv(10_000) is None
+    assert Geometry((), ()).aged_blocks is None
+    assert Geometry((16,), (32,)).aged_blocks == 3 and Geometry((16,), (33,)).aged_blocks == 4
+
+
 def test_a_reanchor_drops_whole_head_blocks_and_shifts_everything_alike() -> None:
     dec, enc = voxtral()
     req = session(9000, managers=(dec, enc))

@@ -25,6 +25,8 @@ from workers.engines.vllm_voxtral import (
     VllmVoxtralEngine,
     capabilities_for,
     engine_kwargs,
+    kv_sessions,
+    kv_shortfall,
     read_geometry,
     wants_direct,
     wants_reanchor,
@@ -424,3 +426,25 @@ def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path: Path) -> None:
     out, _ = same.communicate(timeout=60)
     assert float(other.stdout) < 1.0  # GPU 1: not held
     assert float(out) >= 1.0  # GPU 0: waited for the holder
+
+
+def test_the_engine_says_how_many_aged_sessions_its_kv_cache_holds() -> None:
+    """The worker's probe gives the cache's blocks and the windows; the engine warns when
+    its session slots outnumber the aged sessions they hold, and health says the figure."""
+    probe = {"supported": True, "block_sizes": [128, 16], "windows": [8192, 189],
+             "kv_blocks": 5117}
+    assert kv_sessions(probe) == 65
+    assert kv_sessions({**probe, "kv_blocks": 2636}) == 33
+    assert kv_sessions({k: v for k, v in probe.items() if k != "kv_blocks"}) is None
+    assert kv_sessions({**probe, "windows": [None, 189]}) is None  # full attention
+    assert kv_sessions({**probe, "windows": [8192]}) is None  # groups disagree: unknown
+    assert kv_sessions({"supported": False, "why_not": "no plugin"}) is None
+    assert kv_shortfall(45, 36, 65) is None
+    assert kv_shortfall(45, 36, None) is None
+    said = kv_shortfall(45, 36, 33)
+    assert said is not None and "~33" in said and "45 session slots" in said
+    assert "engine.streams_per_actor" in said and "kv_cache_dtype fp8" in said
+    engine = engine_with(FakeVllmBackend())
+    assert "engine_kv_sessions" not in engine.describe()
+    engine.kv_sessions = 65
+    assert engine.describe()["engine_kv_sessions"] == "65"

@@ -148,6 +148,10 @@ def test_the_reanchoring_plugin_loads_and_probes_ok(engine: VllmVoxtralEngine) -
     # The decoder's 256 positions and the pooled encoder's window; D in whole blocks.
     assert p["keep"] == WINDOW - 1 and p["unit"] >= 16, p
     assert not engine.capabilities.max_session_s
+    # the cache's size, and the aged sessions it holds, which health reports
+    assert p.get("kv_blocks", 0) > 0, p
+    assert engine.kv_sessions and engine.kv_sessions >= 1, p
+    assert engine.describe()["engine_kv_sessions"] == str(engine.kv_sessions)
 
 
 def test_sessions_decode_at_real_time_pace(engine: VllmVoxtralEngine,

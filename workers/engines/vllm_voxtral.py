@@ -72,6 +72,7 @@ from workers.engines.vllm_options import (  # re-exported: the engine's public n
     wants_direct,
     wants_reanchor,
 )
+from workers.engines.vllm_reanchor.plan import Geometry
 from workers.engines.vllm_session import FrameMap, VllmVoxtralSession
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,31 @@ class _AsyncLLMBackend:
         self.llm.shutdown()
 
 
+def kv_sessions(probe: dict[str, Any]) -> int | None:
+    """Sessions older than every attention window that the engine's KV cache holds, from
+    its worker's probe (`kv_blocks`, `block_sizes`, `windows`); None where unknown."""
+    try:
+        geometry = Geometry(tuple(int(b) for b in probe["block_sizes"]),
+                            tuple(None if w is None else int(w) for w in probe["windows"]))
+        return geometry.sessions_by_kv(int(probe["kv_blocks"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def kv_shortfall(slots: int, streams: int, held: int | None) -> str | None:
+    """What to tell the operator when the session slots outnumber the aged sessions the KV
+    cache holds. Young sessions hold less, so it shows only once sessions have aged (about
+    11 minutes for the decoder's 8,192-position window): then a session that needs a block
+    waits for one. On the H200 an engine whose cache filled gave its sessions no steps."""
+    if held is None or slots <= held:
+        return None
+    return (f"its KV cache holds ~{held} sessions once they are older than the attention "
+            f"windows, fewer than its {slots} session slots ({streams} streams + headroom): "
+            f"lower engine.streams_per_actor, or give each engine more cache "
+            f"(engine.vllm.kv_cache_dtype fp8, a higher gpu_memory_utilization, fewer "
+            f"engines_per_gpu)")
+
+
 class VllmVoxtralEngine(SpeechEngine):
     def __init__(self, options: VllmEngineOptions, backend: VllmBackend | None = None,
                  *, reanchoring: bool = False,
@@ -255,6 +281,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.slot_refusals = 0
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
+        self.kv_sessions: int | None = None  # aged sessions the KV cache holds (probe)
         self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.token_writes: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.reanchor_counts: dict[str, Any] = {}
@@ -290,8 +317,13 @@ class VllmVoxtralEngine(SpeechEngine):
                 self.reanchor_probe = {"supported": False,
                                        "why_not": f"{type(exc).__name__}: {exc}"}
             self.reanchoring = bool(self.reanchor_probe.get("supported")) and self._fits()
-        log.info("vllm %s engine: %s (%s)", real.version, self.mode,
-                 self.reanchor_probe.get("why_not") or "ok")
+            self.kv_sessions = kv_sessions(self.reanchor_probe)
+        log.info("vllm %s engine: %s (%s), KV cache for %s aged sessions", real.version,
+                 self.mode, self.reanchor_probe.get("why_not") or "ok",
+                 self.kv_sessions if self.kv_sessions is not None else "unknown")
+        short = kv_shortfall(self.max_sessions, self.options.max_streams, self.kv_sessions)
+        if short:
+            log.warning("vllm engine: %s", short)
         if self.options.sync_free_melspec:
             self.melspec = await switch_lever(real, "set_melspec", True)
             _log_lever("sync-free spectrogram", self.melspec)
@@ -372,6 +404,8 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_input": "direct" if self.direct_input else "renderer",
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
+                **({"engine_kv_sessions": str(self.kv_sessions)}
+                   if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}
 
     def stats(self) -> dict[str, float]:

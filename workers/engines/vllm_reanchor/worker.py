@@ -135,6 +135,10 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                                        ly.style.position_scale) for ly in layers}))
         except Exception as exc:
             out["geometry_error"] = f"{type(exc).__name__}: {exc}"
+        try:  # the engine warns when its sessions, aged, would not fit (vllm_voxtral.py)
+            out["kv_blocks"] = int(self.model_runner.kv_cache_config.num_blocks)
+        except Exception as exc:
+            out["kv_blocks_error"] = f"{type(exc).__name__}: {exc}"
         return out
 
     def babelcast_melspec(self, on: bool) -> dict[str, Any]:
