@@ -963,8 +963,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
     """Per engine (trace file), from the scheduler's lines between t0 and t1 (wall clock):
-    the most KV blocks in use (share), the most requests running and waiting, and the
-    blocks each session held per cache group when the most were in use."""
+    the most KV blocks in use (share), the most requests running and waiting, the blocks
+    each session held per cache group when the most were in use, and the engine's steps
+    with tokens per second and requests per such step (a line counts the steps since the
+    line before it; traces without those counts leave them out)."""
     out = []
     for path in sorted(Path(folder).glob("kv-*.jsonl")):
         lines = []
@@ -987,6 +989,13 @@ def kv_summary(folder: str, t0: float, t1: float) -> list[dict[str, Any]]:
                     round(g["held"] / max(1, g.get("requests", peak["running"])), 1)
                 for g in peak["groups"]},
         })
+        counted = [x for x in lines[1:] if "steps" in x]
+        span = lines[-1]["t"] - lines[0]["t"]
+        steps = sum(x["steps"] for x in counted)
+        if counted and span > 0:
+            out[-1]["steps_per_s"] = round(steps / span, 1)
+            out[-1]["requests_per_step"] = (round(sum(x["batched"] for x in counted) / steps, 2)
+                                            if steps else None)
     return out
 
 

@@ -219,6 +219,23 @@ def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path
     assert engine["blocks_per_request_at_peak"] == {
         "SlidingWindowSpec(window 189, block 16)": 4.0,  # 10 sessions hold some
         "SlidingWindowSpec(window 8192, block 128)": 6.5}
+    assert "steps_per_s" not in engine  # a trace without step counts says nothing of steps
+
+
+def test_kv_summary_reports_steps_per_second_and_requests_per_step(tmp_path: Path) -> None:
+    """Each trace line counts the steps with tokens since the line before it (the first
+    line's reach back before the window) and the requests they scheduled."""
+    def line(t: float, steps: int, batched: int) -> str:
+        return json.dumps({"t": t, "blocks": 10, "free": 5, "running": 2, "waiting": 0,
+                           "steps": steps, "batched": batched, "groups": []})
+    (tmp_path / "kv-7.jsonl").write_text("\n".join([
+        line(10.0, 999, 999),  # counts steps before the window began: left out
+        line(11.0, 300, 900), line(12.0, 100, 100), line(14.0, 200, 600)]) + "\n")
+    (tmp_path / "kv-8.jsonl").write_text("\n".join([line(10.0, 5, 5), line(12.0, 0, 0)]))
+    one, idle = capacity.kv_summary(str(tmp_path), 10.0, 14.0)
+    assert one["steps_per_s"] == 150.0  # 600 steps in 4 s
+    assert one["requests_per_step"] == 2.67  # 1,600 requests over 600 steps
+    assert idle["steps_per_s"] == 0.0 and idle["requests_per_step"] is None
 
 
 async def test_slow_ageing_goes_on_and_stalled_ageing_stops() -> None:

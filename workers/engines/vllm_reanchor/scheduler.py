@@ -67,11 +67,14 @@ class _ReanchorMixin:
     _bc_seq: int
     _bc_trace: str | None
     _bc_trace_next: float
+    _bc_steps: int  # trace only: steps with tokens since the last trace line
+    _bc_batched: int  # trace only: requests those steps scheduled
 
     def _bc_init(self) -> None:
         folder = os.environ.get(TRACE_ENV)
         self._bc_trace = os.path.join(folder, f"kv-{os.getpid()}.jsonl") if folder else None
         self._bc_trace_next = 0.0
+        self._bc_steps = self._bc_batched = 0
         self._bc_due = set()
         self._bc_pending = []
         self._bc_failures = {}
@@ -101,9 +104,13 @@ class _ReanchorMixin:
         if self._bc_due:
             self._bc_reanchor_due()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if self._bc_trace is not None and time.monotonic() >= self._bc_trace_next:
-            self._bc_trace_next = time.monotonic() + 1.0
-            self._bc_write_trace()
+        if self._bc_trace is not None:
+            if out.total_num_scheduled_tokens > 0:
+                self._bc_steps += 1
+                self._bc_batched += len(out.num_scheduled_tokens)
+            if time.monotonic() >= self._bc_trace_next:
+                self._bc_trace_next = time.monotonic() + 1.0
+                self._bc_write_trace()
         if self._bc_pending:
             setattr(out, REANCHORS_ATTR, tuple(self._bc_pending))
             if out.total_num_scheduled_tokens > 0:
@@ -115,9 +122,11 @@ class _ReanchorMixin:
         return out
 
     def _bc_write_trace(self) -> None:
-        """Benchmarks only (TRACE_ENV): where the KV cache is. Never raises. Streaming
-        sessions waiting for their next chunk hold blocks without being running or
-        waiting, so each group also counts the requests holding any."""
+        """Benchmarks only (TRACE_ENV): where the KV cache is, and the steps with tokens
+        since the last line with the requests they scheduled (how large steps are: each
+        reads all the weights). Never raises. Streaming sessions waiting for their next
+        chunk hold blocks without being running or waiting, so each group also counts the
+        requests holding any."""
         try:
             pool = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
             groups = []
@@ -133,7 +142,9 @@ class _ReanchorMixin:
                     "free": pool.get_num_free_blocks(),
                     "running": len(self.running),  # type: ignore[attr-defined]
                     "waiting": len(self.waiting),  # type: ignore[attr-defined]
+                    "steps": self._bc_steps, "batched": self._bc_batched,
                     "groups": groups}
+            self._bc_steps = self._bc_batched = 0
             assert self._bc_trace is not None
             with open(self._bc_trace, "a") as f:
                 f.write(json.dumps(line) + "\n")
