@@ -48,7 +48,8 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
         budget_s=c.budget_s, margin_s=c.margin_s, overlap_s=c.overlap_s,
         switch_pause_s=c.switch_pause_s,
         rut=RutPolicy(window_s=c.rut_window_s, speech_s=c.rut_speech_s,
-                      chars_per_speech_s=c.rut_chars_per_speech_s),
+                      chars_per_speech_s=c.rut_chars_per_speech_s,
+                      max_lag_s=c.rut_max_lag_s),
         stall_s=c.stall_s, stall_max_s=c.stall_max_s, dither_lsb=c.dither_lsb,
         max_fill_s=c.max_fill_s,
     )

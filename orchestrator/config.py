@@ -145,6 +145,10 @@ class SessionConfig(_Strict):
                                 description="speech seconds without text that mean a rut")
     rut_chars_per_speech_s: float = Field(
         default=1.0, ge=0, description="below this many characters per speech second: a rut")
+    rut_max_lag_s: float = Field(
+        default=30.0, gt=0,
+        description="the watchdog judges only speech the engine session has decoded, unless "
+                    "the session is this far behind the newest audio")
     stall_s: float = Field(
         default=1.0, gt=0,
         description="source silence before dithered noise is fed; raised automatically up to "

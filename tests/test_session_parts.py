@@ -89,6 +89,25 @@ def test_a_few_characters_do_not_count_as_recovery() -> None:
     assert w.in_rut()
 
 
+def test_only_speech_the_session_has_heard_is_judged() -> None:
+    w = RutWatchdog(RutPolicy(window_s=15, speech_s=6, chars_per_speech_s=1, max_lag_s=30))
+    speak(w, 0, 12)  # 12 s of speech fed, no text yet
+    assert w.in_rut()  # a session that does not say how far it got is judged on all of it
+    assert not w.in_rut(heard=int(5.9 * SAMPLE_RATE)), "a backlog is not a rut"
+    assert w.in_rut(heard=int(6.1 * SAMPLE_RATE)), "6 s heard and nothing written is"
+    # Text that comes late for the speech heard still counts.
+    w.text(12 * SAMPLE_RATE, 80)
+    assert not w.in_rut(heard=int(11 * SAMPLE_RATE))
+
+
+def test_a_session_that_stopped_hearing_is_judged_past_the_lag_bound() -> None:
+    w = RutWatchdog(RutPolicy(window_s=15, speech_s=6, chars_per_speech_s=1, max_lag_s=30))
+    speak(w, 0, 35.5)
+    assert not w.in_rut(heard=0), "only 5.5 s past the lag bound"
+    speak(w, 35.5, 1.0)
+    assert w.in_rut(heard=0), "a session 30 s behind is judged as if it had heard"
+
+
 def test_dither_is_faint_and_never_digital_silence() -> None:
     noise = DitherNoise(lsb=2, seed=1)
     for n in (1, 7, 1600):

@@ -74,6 +74,18 @@ class RecognizeSession(ABC):
         self._out: asyncio.Queue[TranscriptDelta | BaseException | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.dropped_chunks = 0
+        self._heard_until: int | None = None
+
+    @property
+    def heard_until(self) -> int | None:
+        """Stream sample position up to which this session has run recognition over its
+        audio; None: the session does not say. The rut watchdog judges only speech the
+        session has heard, so a session that lags behind a busy engine is not mistaken
+        for one that hears speech and writes nothing."""
+        return self._heard_until
+
+    def _heard(self, pos: int) -> None:
+        self._heard_until = pos if self._heard_until is None else max(self._heard_until, pos)
 
     def start(self) -> None:
         if self._task is None:

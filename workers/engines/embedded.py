@@ -297,6 +297,8 @@ class EmbeddedWhisperSession(RecognizeSession):
         audio = np.frombuffer(chunk.pcm, dtype="<i2").astype(np.float32) / 32768.0
         if not self._buf.size:
             self._buf_pos = self._win_pos = chunk.pos
+        if self.heard_until is None:
+            self._heard(chunk.pos)  # nothing heard yet: speech from here on is unheard
         self._buf = np.concatenate([self._buf, audio])
         self._new_since_decode += audio.size
         self._expected = chunk.pos + audio.size
@@ -385,6 +387,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         words, probs, lang = await self.engine.decode(
             audio.copy(), start / SAMPLE_RATE, language, beam, final
         )
+        self._heard(start + audio.size)
         self._new_since_decode = 0
         if self.options.language == "auto" and lang:
             self._detected = lang

@@ -45,6 +45,10 @@ class _PassThroughSession(RecognizeSession):
         super().__init__(options)
         self.inner = inner
 
+    @property
+    def heard_until(self) -> int | None:
+        return self.inner.heard_until
+
     async def _on_item(self, item: AudioChunk | AudioGap) -> None:
         """Before `item` reaches the inner session."""
 

@@ -127,6 +127,7 @@ class VllmVoxtralSession(RecognizeSession):
                 o = out.outputs[0]
                 k = self.outputs
                 self.outputs += 1
+                self._heard(self._frames.stream_pos(self.outputs * FRAME))
                 wanted.set()
                 tokens.put_nowait(list(o.token_ids))  # fed back: the next step's context
                 if o.text:

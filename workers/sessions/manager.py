@@ -264,7 +264,10 @@ class SessionManager(RecognizeSession):
             gen.last_words = ([*gen.last_words, *(norm(w.text) for w in committed)])[-8:]
         chars = sum(len(w.text.strip()) for w in committed + tentative)
         if chars and self.pos is not None:
-            self._watch.text(self.pos, chars)
+            # Stamped with the audio the text is for: a session behind its audio writes
+            # now for speech it heard a while ago.
+            heard = gen.session.heard_until
+            self._watch.text(self.pos if heard is None else min(heard, self.pos), chars)
             if self._rut_pending:
                 self._rut_pending = False
                 self.counters["rut_recoveries"] += 1
@@ -420,7 +423,7 @@ class SessionManager(RecognizeSession):
             if self._clock() >= self._retry_at:
                 await self._replace_now("engine_error")
             return
-        if self._next is None and self._watch.in_rut():
+        if self._next is None and self._watch.in_rut(cur.session.heard_until):
             self.counters["ruts_detected"] += 1
             await self._replace_now("rut", feed_s=self.policy.rut.window_s)
             return

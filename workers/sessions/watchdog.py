@@ -7,6 +7,14 @@ stamped with the stream's audio position. It looks at the recent past only
 text per speech second, the session is in a rut. Looking at suffixes means text
 from before the rut does not hide it for a whole window. Silence has no speech
 seconds, so a quiet room never triggers it.
+
+Only speech the session has heard is judged (`in_rut(heard)`: the stream position
+its recognition has reached). A session behind a busy engine has not written the
+text for audio it has not decoded yet; judging that audio replaced healthy sessions
+under load, cancelled their final decodes and lost those words (seen on a 2-core
+host: six embedded sessions, the first utterance of each gone). Past `max_lag_s`
+behind the newest audio, speech is judged anyway: a session that stopped hearing
+altogether is stuck too.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ class RutPolicy:
     window_s: float = 15.0
     speech_s: float = 6.0
     chars_per_speech_s: float = 1.0
+    max_lag_s: float = 30.0
 
 
 class RutWatchdog:
@@ -30,10 +39,12 @@ class RutWatchdog:
         self._speech: deque[tuple[int, int]] = deque()  # (pos, samples) of speech frames
         self._text: deque[tuple[int, int]] = deque()  # (pos, chars)
         self._since_text = 0  # speech samples since the last text
+        self._newest = 0  # end of the newest speech frame
         self.voiced_without_text_s = 0.0
 
     def speech(self, pos: int, samples: int) -> None:
         self._speech.append((pos, samples))
+        self._newest = pos + samples
         self._since_text += samples
         self.voiced_without_text_s = self._since_text / SAMPLE_RATE
         self._trim(pos)
@@ -52,24 +63,35 @@ class RutWatchdog:
         self.voiced_without_text_s = 0.0
 
     def _trim(self, now: int) -> None:
-        start = now - int(self.policy.window_s * SAMPLE_RATE)
+        start = now - int((self.policy.window_s + self.policy.max_lag_s) * SAMPLE_RATE)
         while self._speech and self._speech[0][0] < start:
             self._speech.popleft()
         while self._text and self._text[0][0] < start:
             self._text.popleft()
 
-    def in_rut(self) -> bool:
-        need = self.policy.speech_s * SAMPLE_RATE
+    def in_rut(self, heard: int | None = None) -> bool:
+        """`heard`: the stream position the session's recognition has reached (None: all
+        the speech fed is judged)."""
+        p = self.policy
+        horizon = self._newest
+        if heard is not None:
+            horizon = min(horizon, max(heard, self._newest - int(p.max_lag_s * SAMPLE_RATE)))
+        start = horizon - int(p.window_s * SAMPLE_RATE)
+        need = p.speech_s * SAMPLE_RATE
         speech = 0
         chars = 0
         texts = list(self._text)
         ti = len(texts) - 1
-        # Walk back from the newest speech frame, growing the suffix.
+        # Walk back from the newest heard speech frame, growing the suffix.
         for pos, samples in reversed(self._speech):
+            if pos + samples > horizon:
+                continue
+            if pos < start:
+                break
             speech += samples
             while ti >= 0 and texts[ti][0] >= pos:
                 chars += texts[ti][1]
                 ti -= 1
-            if speech >= need and chars < self.policy.chars_per_speech_s * speech / SAMPLE_RATE:
+            if speech >= need and chars < p.chars_per_speech_s * speech / SAMPLE_RATE:
                 return True
         return False
