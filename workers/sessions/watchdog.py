@@ -39,12 +39,10 @@ class RutWatchdog:
         self._speech: deque[tuple[int, int]] = deque()  # (pos, samples) of speech frames
         self._text: deque[tuple[int, int]] = deque()  # (pos, chars)
         self._since_text = 0  # speech samples since the last text
-        self._newest = 0  # end of the newest speech frame
         self.voiced_without_text_s = 0.0
 
     def speech(self, pos: int, samples: int) -> None:
         self._speech.append((pos, samples))
-        self._newest = pos + samples
         self._since_text += samples
         self.voiced_without_text_s = self._since_text / SAMPLE_RATE
         self._trim(pos)
@@ -72,10 +70,13 @@ class RutWatchdog:
     def in_rut(self, heard: int | None = None) -> bool:
         """`heard`: the stream position the session's recognition has reached (None: all
         the speech fed is judged)."""
+        if not self._speech:
+            return False
         p = self.policy
-        horizon = self._newest
+        newest = sum(self._speech[-1])  # the end of the newest speech frame
+        horizon = newest
         if heard is not None:
-            horizon = min(horizon, max(heard, self._newest - int(p.max_lag_s * SAMPLE_RATE)))
+            horizon = min(horizon, max(heard, newest - int(p.max_lag_s * SAMPLE_RATE)))
         start = horizon - int(p.window_s * SAMPLE_RATE)
         need = p.speech_s * SAMPLE_RATE
         speech = 0
