@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.config import EventConfig
+from workers.aio import wait_for
 from workers.bus import RedisBus
 
 
@@ -91,10 +92,10 @@ class LiveView:
                     print(f"{time.strftime('%H:%M:%S')} {r[0]} source={r[1]} asr={r[2]} "
                           f"actor={r[3]} finals={r[4]} final_latency_s={r[5]}", flush=True)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 5)
+                    await wait_for(stop.wait(), 5)
             return
         with Live(console=self.console, refresh_per_second=2, transient=False) as live:
             while not stop.is_set():
                 live.update(Group(self.table(await self.rows()), Text(header, style="dim")))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), 1)
+                    await wait_for(stop.wait(), 1)

@@ -38,6 +38,7 @@ from orchestrator.ray_metrics import write_ray_metrics_targets
 from orchestrator.redis_server import LocalRedisServer
 from orchestrator.router import PlacementError, Router
 from orchestrator.status import register_actors
+from workers.aio import wait_for
 from workers.asr import AsrHostOptions
 from workers.bus import RedisBus
 from workers.engines import vad
@@ -208,7 +209,7 @@ class EventRuntime:
         assert self.router is not None
         spares = [a for a in self.asr if self.router.load(a) == 0]
         results = await asyncio.gather(
-            *(asyncio.wait_for(self.asr[a].health.remote(), timeout_s) for a in spares),
+            *(wait_for(self.asr[a].health.remote(), timeout_s) for a in spares),
             return_exceptions=True)
         for actor_id, result in zip(spares, results, strict=True):
             if isinstance(result, BaseException):
@@ -267,7 +268,7 @@ class EventRuntime:
             # a slow answer is a busy actor (a saturated vLLM front end), not a dead one.
             wait_s = min(timeout_s, failover_s) if actor_id in self._died_at else timeout_s
             try:
-                state = await asyncio.wait_for(handle.state.remote(), wait_s)
+                state = await wait_for(handle.state.remote(), wait_s)
                 if state.get("pid") is not None and \
                         self._replacing.get(actor_id) == state["pid"]:
                     problems.append(f"{actor_id}: replacement pending")
@@ -285,7 +286,7 @@ class EventRuntime:
                     ray.kill(handle, no_restart=False)
                     problems.append(f"{actor_id}: engine dead, actor replaced")
                     continue
-                have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+                have = set(await wait_for(handle.streams.remote(), timeout_s))
             except ActorDiedError as exc:  # dead for good (no restart left): move now
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "asr", False)
@@ -315,7 +316,7 @@ class EventRuntime:
         problems.extend(await self._move_lagging(streams))
         for actor_id, handle in self.translators.items():
             try:  # a restarted translator starts consuming again
-                await asyncio.wait_for(handle.start.remote(), timeout_s)
+                await wait_for(handle.start.remote(), timeout_s)
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "translator", False)
@@ -324,11 +325,11 @@ class EventRuntime:
         for actor_id, handle in self.ingest.items():
             want = {s for s, a in self._ingest_pins.items() if a == actor_id}
             try:
-                have = set(await asyncio.wait_for(handle.streams.remote(), timeout_s))
+                have = set(await wait_for(handle.streams.remote(), timeout_s))
                 self._actor_up(actor_id, "ingest", True)
                 for sid in sorted(want - have):
                     metrics.STREAM_READDS.labels(actor=actor_id).inc()
-                    await asyncio.wait_for(handle.add_stream.remote(
+                    await wait_for(handle.add_stream.remote(
                         stream_options(streams[sid], self.cfg.translation)), timeout_s)
             except (RayActorError, GetTimeoutError, TimeoutError) as exc:
                 # Caught while Ray restarts it (ActorUnavailableError): its new process
@@ -354,7 +355,7 @@ class EventRuntime:
             log.warning("stream %s: actor %s is down; moving it to %s", sid, actor_id, target)
             metrics.STREAM_MOVES.labels(actor=target).inc()
             try:
-                await asyncio.wait_for(self.asr[target].add_stream.remote(
+                await wait_for(self.asr[target].add_stream.remote(
                     stream_options(streams[sid], self.cfg.translation)), 30)
             except Exception as exc:  # pinned there: the next pass re-adds it
                 problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
@@ -414,7 +415,7 @@ class EventRuntime:
                                 "no actor with room that keeps up")
                 continue
             try:  # one owner at a time: the slow actor lets go before the new one starts
-                await asyncio.wait_for(self.asr[source].remove_stream.remote(sid), 30)
+                await wait_for(self.asr[source].remove_stream.remote(sid), 30)
             except Exception as exc:
                 self.router.pins[sid] = source  # still there; the next pass tries again
                 problems.append(f"{sid}: cannot take it off {source}: {type(exc).__name__}")
@@ -428,7 +429,7 @@ class EventRuntime:
             metrics.STREAM_MOVES.labels(actor=target).inc()
             await self._count_lag_move(sid)
             try:
-                await asyncio.wait_for(self.asr[target].add_stream.remote(
+                await wait_for(self.asr[target].add_stream.remote(
                     stream_options(streams[sid], self.cfg.translation)), 30)
             except Exception as exc:  # pinned there: the next pass re-adds it
                 problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
@@ -496,7 +497,7 @@ class EventRuntime:
                 if self._ingest_unreached:  # restarting: its streams wait for a pass
                     wait_s = min(wait_s, INGEST_RETRY_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(died.wait(), wait_s)
+                    await wait_for(died.wait(), wait_s)
                 died.clear()
                 with contextlib.suppress(Exception):
                     async with self.control_lock:
@@ -531,14 +532,14 @@ class EventRuntime:
                                  "engine.streams_per_actor and restart the event")
         if s.id in self.unplaced:
             self.unplaced.remove(s.id)
-        await asyncio.wait_for(self.asr[actor].add_stream.remote(opts), timeout_s)
+        await wait_for(self.asr[actor].add_stream.remote(opts), timeout_s)
         if s.source_kind != "push":
             load = {a: 0 for a in self.ingest}
             for a in self._ingest_pins.values():
                 load[a] = load.get(a, 0) + 1
             ing = min(self.ingest, key=lambda a: (load[a], list(self.ingest).index(a)))
             self._ingest_pins[s.id] = ing
-            await asyncio.wait_for(self.ingest[ing].add_stream.remote(opts), timeout_s)
+            await wait_for(self.ingest[ing].add_stream.remote(opts), timeout_s)
         self._export_placement()
         return actor
 
@@ -558,14 +559,14 @@ class EventRuntime:
         ing = self._ingest_pins.pop(s.id, None)
         if ing is not None:
             try:  # first: the ASR side then sees no new audio while it closes
-                await asyncio.wait_for(self.ingest[ing].remove_stream.remote(s.id), timeout_s)
+                await wait_for(self.ingest[ing].remove_stream.remote(s.id), timeout_s)
             except Exception as exc:
                 problem = f"ingest {ing} did not stop it: {type(exc).__name__}"
         last_seq = 0
         lang = stream_options(s).caption_lang
         if actor is not None:
             try:
-                last_seq = await asyncio.wait_for(
+                last_seq = await wait_for(
                     self.asr[actor].drain_stream.remote(s.id, lang), timeout_s)
             except Exception as exc:
                 # Unpinned anyway: an actor that answers again drops it (reconcile).
@@ -586,7 +587,7 @@ class EventRuntime:
         if actor is None:
             return ""
         try:
-            await asyncio.wait_for(self.asr[actor].update_stream.remote(
+            await wait_for(self.asr[actor].update_stream.remote(
                 stream_options(s, self.cfg.translation)), timeout_s)
         except Exception as exc:  # the supervisor's next re-add uses self.cfg's targets
             return f"ASR actor {actor} did not take it: {type(exc).__name__}"
@@ -598,7 +599,7 @@ class EventRuntime:
         problems: list[str] = []
         for actor_id, handle in self.translators.items():
             try:
-                await asyncio.wait_for(handle.set_glossary.remote(terms), timeout_s)
+                await wait_for(handle.set_glossary.remote(terms), timeout_s)
             except Exception as exc:
                 problems.append(f"{actor_id} did not take the glossary: {type(exc).__name__}")
         return problems
@@ -614,7 +615,7 @@ class EventRuntime:
         handles = [*self.ingest.values(), *self.asr.values(), *self.translators.values()]
         for handle in handles:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(handle.stop.remote(), 10)
+                await wait_for(handle.stop.remote(), 10)
         for handle in handles:
             with contextlib.suppress(Exception):
                 ray.kill(handle)
@@ -638,4 +639,4 @@ class EventRuntime:
         """Until every ASR actor has loaded its engine (first health answer)."""
         deadline = time.monotonic() + timeout_s
         for handle in self.asr.values():
-            await asyncio.wait_for(handle.health.remote(), max(1.0, deadline - time.monotonic()))
+            await wait_for(handle.health.remote(), max(1.0, deadline - time.monotonic()))

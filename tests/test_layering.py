@@ -23,7 +23,7 @@ FLOORS = ("workers", "translation", "orchestrator")
 # Line breaking is pure text shaping that translations need for their target language's
 # display lines; the rest of workers/captions (the segmenter) stays out of reach.
 TRANSLATION_MAY_IMPORT_FROM_WORKERS = ("workers.events", "workers.bus",
-                                       "workers.captions.linebreak")
+                                       "workers.captions.linebreak", "workers.aio")
 RAY_ALLOWED = ("orchestrator/runtime.py", "orchestrator/ray_actors.py",
                "orchestrator/ray_metrics.py")
 VLLM_ALLOWED = ("workers/engines/vllm*.py", "translation/backends/vllm*.py")
@@ -181,6 +181,21 @@ def plugin_imports(imports: list[Import]) -> list[Import]:
             and i.path not in VLLM_PLUGINS and not i.path.startswith("tests/")]
 
 
+WAIT_FOR_ALLOWED = ("workers/aio.py",)
+
+
+def asyncio_wait_for_uses(source: str, rel: str) -> list[str]:
+    """`file:line` of each `asyncio.wait_for` (attribute or imported name) in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=rel)):
+        if (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+                and isinstance(node.value, ast.Name) and node.value.id == "asyncio") or (
+                isinstance(node, ast.ImportFrom) and node.module == "asyncio"
+                and any(a.name == "wait_for" for a in node.names)):
+            found.append(f"{rel}:{node.lineno}")
+    return found
+
+
 # -- the project ---------------------------------------------------------------
 
 
@@ -196,14 +211,22 @@ def test_workers_import_neither_translation_nor_orchestrator(imports: list[Impor
     assert not bad, report(bad, "workers/ (bottom floor) must not import upward")
 
 
-def test_translation_imports_only_workers_events_bus_and_linebreak(imports: list[Import]) -> None:
+def test_translation_imports_only_workers_events_bus_linebreak_and_aio(
+        imports: list[Import]) -> None:
     bad = translation_disallowed_imports(imports)
     assert not bad, report(
         bad,
-        "translation/ may import from workers only workers.events, workers.bus and "
-        "workers.captions.linebreak, "
-        "and nothing from orchestrator",
+        "translation/ may import from workers only workers.events, workers.bus, "
+        "workers.captions.linebreak and workers.aio, and nothing from orchestrator",
     )
+
+
+def test_no_product_code_uses_asyncio_wait_for() -> None:
+    bad = [use for floor in FLOORS for path in sorted((ROOT / floor).rglob("*.py"))
+           if (rel := path.relative_to(ROOT).as_posix()) not in WAIT_FOR_ALLOWED
+           for use in asyncio_wait_for_uses(path.read_text(encoding="utf-8"), rel)]
+    assert not bad, ("asyncio.wait_for can lose a cancel on Python 3.11 (see workers/aio.py); "
+                     "use workers.aio.wait_for:\n  " + "\n  ".join(bad))
 
 
 def test_only_the_orchestrator_runtime_imports_ray(imports: list[Import]) -> None:
@@ -298,3 +321,14 @@ def test_checker_reports_file_and_line() -> None:
     bad = workers_upward_imports(imports_in("\n\nimport orchestrator\n", "workers/asr.py"))
     message = report(bad, "rule")
     assert "workers/asr.py:3 imports orchestrator" in message
+
+
+def test_checker_finds_asyncio_wait_for_in_any_form() -> None:
+    source = ("import asyncio\n"
+              "from asyncio import wait_for, sleep\n"
+              "from workers.aio import wait_for as ok\n"
+              "async def f(x):\n"
+              "    await asyncio.wait_for(x, 1)\n"
+              "    await ok(x, 1)\n")
+    assert asyncio_wait_for_uses(source, "workers/asr.py") == ["workers/asr.py:2",
+                                                              "workers/asr.py:5"]

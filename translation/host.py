@@ -24,6 +24,7 @@ from translation.backends import BackendSettings, Routes, build
 from translation.backends.base import BackendError, Result, TranslationRequest, Translator
 from translation.glossary import Glossary, GlossaryTerm
 from translation.jobs import Delivery, JobQueue
+from workers.aio import wait_for
 from workers.bus import RedisBus, retry_redis
 from workers.captions.linebreak import WEB, break_lines
 from workers.events import CaptionSegment, TranslationJob
@@ -192,8 +193,8 @@ class TranslationHost:
             requests = [TranslationRequest(it.job.text, it.job.source_lang, it.target,
                                            it.job.context if backend.uses_context else ())
                         for it in group]
-            results = await asyncio.wait_for(backend.translate(requests, self.glossary),
-                                             self.options.job_timeout_s)
+            results = await wait_for(backend.translate(requests, self.glossary),
+                                     self.options.job_timeout_s)
         except Exception as exc:
             if isinstance(exc, TimeoutError):
                 exc = BackendError(f"{name} timed out after {self.options.job_timeout_s} s")

@@ -23,6 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from workers.aio import wait_for
 from workers.backlog import BacklogGuard
 from workers.bus import RETRYABLE, RedisBus, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
@@ -375,7 +376,7 @@ class _StreamRunner:
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self.task, 5)
+                await wait_for(self.task, 5)
         if self.session is not None:
             await self.session.aclose()
 

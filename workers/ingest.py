@@ -30,6 +30,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from workers.aio import wait_for
 from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
 from workers.sessions.stall import StallThreshold, ingest_threshold
@@ -224,7 +225,7 @@ class IngestHost:
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(task, 5)
+                await wait_for(task, 5)
         self._state.pop(stream_id, None)
 
     async def health(self) -> dict[str, str]:

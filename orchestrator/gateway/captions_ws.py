@@ -32,6 +32,7 @@ from orchestrator.gateway.access import TRY_AGAIN_LATER, Access, Admitted, can_v
 from orchestrator.gateway.context import GatewayContext, cancel_all
 from orchestrator.gateway.hub import ClientQueue, Resync, SlowClient
 from orchestrator.gateway.limits import CapExceeded
+from workers.aio import wait_for
 from workers.bus import RETRYABLE, caption_to_json, captions_key, retry_redis
 from workers.events import CaptionSegment
 
@@ -201,7 +202,7 @@ async def _serve(ctx: GatewayContext, ws: WebSocket, admitted: Admitted, stream_
             # send what is left, then say so rather than leave a silent socket open.
             await cancel_all({pumping})
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(replay_after(last), REMOVED_FLUSH_S)
+                await wait_for(replay_after(last), REMOVED_FLUSH_S)
             await Access.refuse(ws, "stream_removed", f"stream {stream_id!r} was removed "
                                 f"from the event; its captions end at seq {last}", 4404)
         for task in done:

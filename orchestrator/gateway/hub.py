@@ -43,6 +43,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from orchestrator import metrics
+from workers.aio import wait_for
 from workers.bus import caption_from_json
 from workers.events import CaptionSegment
 
@@ -155,7 +156,7 @@ class CaptionHub:
                 if event is None:
                     event = self._confirmed[key] = asyncio.Event()
                     await self._pubsub.subscribe(key)
-            await asyncio.wait_for(event.wait(), SUBSCRIBE_TIMEOUT_S)
+            await wait_for(event.wait(), SUBSCRIBE_TIMEOUT_S)
         except BaseException:
             # A subscribe that failed (Redis down) leaves nothing behind: a key whose
             # confirmation never came would make every later client of it wait in vain.

@@ -37,6 +37,7 @@ from orchestrator.gateway.realtime_protocol import (
     parse_client_event,
     server_event,
 )
+from workers.aio import wait_for
 from workers.bus import RedisBus, captions_key
 from workers.events import SAMPLE_RATE, CaptionSegment
 from workers.ingest import AudioClock, write_audio
@@ -220,7 +221,7 @@ class RealtimeConnection:
         while self.final_seen_to_s < target and time.monotonic() < deadline:
             self.progress.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.progress.wait(), deadline - time.monotonic())
+                await wait_for(self.progress.wait(), deadline - time.monotonic())
         await asyncio.sleep(0.3)  # a closing final published with it
         await self.stop_listening()
         await self.send(server_event(

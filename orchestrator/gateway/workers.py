@@ -47,6 +47,7 @@ from orchestrator.gateway.access import GatewaySecurity
 from orchestrator.gateway.context import GatewayStream
 from orchestrator.gateway.metrics_merge import WorkerGroup
 from orchestrator.outputs.hls import HlsOptions
+from workers.aio import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,8 @@ class GatewayWorkers:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             try:
-                line = await asyncio.wait_for(out.readline(),
-                                              max(0.0, deadline - time.monotonic()))
+                line = await wait_for(out.readline(),
+                                      max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 return False
             if not line:  # it exited
@@ -205,7 +206,7 @@ class GatewayWorkers:
                 proc.send_signal(signal.SIGTERM)
         for proc in procs:
             try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                await wait_for(proc.wait(), STOP_GRACE_S)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

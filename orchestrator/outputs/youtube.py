@@ -33,6 +33,7 @@ import httpx
 
 from orchestrator import metrics
 from orchestrator.outputs.cues import FinalFilter, final_cues
+from workers.aio import wait_for
 from workers.captions.linebreak import YOUTUBE, LineProfile
 from workers.events import CaptionSegment
 
@@ -183,7 +184,7 @@ class YoutubeCaptionSink:
         """Stop; with `drain_s`, first give the backlog that long to go out."""
         if drain_s > 0 and self._task is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), drain_s)
+                await wait_for(self._idle.wait(), drain_s)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

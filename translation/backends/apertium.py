@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from translation.backends.base import BackendError, SentenceEngine
+from workers.aio import wait_for
 
 MODES_DIR = Path("/usr/share/apertium/modes")
 
@@ -75,7 +76,7 @@ class ApertiumTranslator(SentenceEngine):
                 stderr=asyncio.subprocess.PIPE, env={**os.environ, "LC_ALL": "C.UTF-8"},
             )
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.timeout_s)
+                out, err = await wait_for(proc.communicate(), self.timeout_s)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()

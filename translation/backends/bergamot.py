@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from translation.backends.base import BackendError, SentenceEngine
+from workers.aio import wait_for
 
 DIRECTIONS = {("en", "pt"): "en-pt", ("pt", "en"): "pt-en"}
 
@@ -60,7 +61,7 @@ class BergamotTranslator(SentenceEngine):
         futures = [loop.run_in_executor(self._pool, self._translator.translate, t, direction)
                    for t in texts]
         try:
-            outs = await asyncio.wait_for(asyncio.gather(*futures), self.timeout_s)
+            outs = await wait_for(asyncio.gather(*futures), self.timeout_s)
         except TimeoutError:
             raise BackendError(f"bergamot timed out after {self.timeout_s} s") from None
         return [str(o) for o in outs]

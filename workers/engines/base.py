@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from workers.aio import wait_for
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class RecognizeSession(ABC):
             return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(self._task, grace_s)
+            await wait_for(self._task, grace_s)
         self._task = None
 
 

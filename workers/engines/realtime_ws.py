@@ -24,6 +24,7 @@ from typing import Any
 
 import websockets
 
+from workers.aio import wait_for
 from workers.engines.base import (
     END,
     DelayedTextStamps,
@@ -147,7 +148,7 @@ class RealtimeWsSession(RecognizeSession):
                     self._final_sent = True
                     await ws.send(json.dumps({"type": "input_audio_buffer.commit",
                                               "final": True}))
-                    await asyncio.wait_for(reader, self.opts.done_timeout_s)
+                    await wait_for(reader, self.opts.done_timeout_s)
                     return
                 if isinstance(item, AudioChunk):
                     self._stamps.fed(item)

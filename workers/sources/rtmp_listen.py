@@ -39,6 +39,7 @@ from typing import Any
 import av
 from av.audio.frame import AudioFrame
 
+from workers.aio import wait_for
 from workers.events import SAMPLE_RATE
 from workers.sources.base import AudioSource, SourceError, SourceEvent, SourceItem
 from workers.sources.listen import RtmpListen, parse_rtmp_listen
@@ -162,11 +163,11 @@ class _Connection:
             self.writer.close()
 
     async def run(self) -> None:
-        await asyncio.wait_for(server_handshake(self.reader, self.writer),
-                               self.owner.handshake_timeout_s)
+        await wait_for(server_handshake(self.reader, self.writer),
+                       self.owner.handshake_timeout_s)
         connected = False
         while True:
-            msg = await asyncio.wait_for(self._chunks.read_message(), self.owner.idle_timeout_s)
+            msg = await wait_for(self._chunks.read_message(), self.owner.idle_timeout_s)
             await self._ack()
             if msg.type_id == AUDIO:
                 if self.publishing and self.owner.is_publisher(self):
@@ -382,4 +383,4 @@ class RtmpListenSource(AudioSource):
             self._items.get_nowait()
         if server is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 5)
+                await wait_for(server.wait_closed(), 5)

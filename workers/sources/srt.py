@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from workers.aio import wait_for
 from workers.events import SAMPLE_RATE
 from workers.sources.base import AudioSource, SourceError, SourceEvent, SourceItem
 from workers.sources.pyav import CHUNK_BYTES, LIVE_LEAD_S, PROBE_OPTIONS, Pacer, redact_url
@@ -135,8 +136,8 @@ class SrtSource(AudioSource):
                 await pacer.wait(len(chunk) // 2)
                 yield chunk
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(proc.wait(), _EXIT_WAIT_S)
-                await asyncio.wait_for(drain, _EXIT_WAIT_S)
+                await wait_for(proc.wait(), _EXIT_WAIT_S)
+                await wait_for(drain, _EXIT_WAIT_S)
             while not events.empty():
                 yield events.get_nowait()
         finally:
@@ -212,7 +213,7 @@ class SrtSource(AudioSource):
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         try:
-            await asyncio.wait_for(proc.wait(), _EXIT_WAIT_S)
+            await wait_for(proc.wait(), _EXIT_WAIT_S)
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()

@@ -1,0 +1,106 @@
+"""workers.aio.wait_for: what asyncio.wait_for does, except that a cancel is never lost.
+
+The race it closes (CPython gh-86296, fixed in 3.12): the awaited future completes and
+the waiting task is cancelled in the same loop turn. Python 3.11's asyncio.wait_for
+then returns the result, and the task goes on as if never cancelled. `babelcast gateway`
+hung on Ctrl-C that way (tests/test_gateway_workers.py's teardown, on CI).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from workers.aio import wait_for
+
+pytestmark = pytest.mark.unit
+
+WaitFor = Callable[[Awaitable[Any], float | None], Awaitable[Any]]
+
+
+async def cancel_as_it_completes(wait: WaitFor) -> tuple[bool, list[str]]:
+    """A task waits on a future through `wait`; in one loop turn the future gets its
+    result and the task is cancelled. Whether the cancel reached the task, and how far
+    it went."""
+    fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    steps: list[str] = []
+
+    async def waiter() -> None:
+        await wait(fut, 10)
+        steps.append("returned")
+        await asyncio.sleep(0)  # a lost cancel lets it reach here and go on
+        steps.append("went on")
+
+    task = asyncio.create_task(waiter())
+    await asyncio.sleep(0)  # it is now waiting
+    fut.set_result(1)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        return True, steps
+    return False, steps
+
+
+async def test_a_cancel_that_comes_as_the_result_does_is_not_lost() -> None:
+    assert await cancel_as_it_completes(wait_for) == (True, [])
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12's asyncio.wait_for is fixed")
+async def test_the_race_is_real_for_asyncio_wait_for_on_this_python() -> None:
+    """The scenario above is the race: asyncio.wait_for of 3.11 loses this cancel."""
+    assert await cancel_as_it_completes(asyncio.wait_for) == (False, ["returned", "went on"])
+
+
+async def test_a_timeout_raises_and_cancels_what_it_waited_for() -> None:
+    cancelled = asyncio.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(TimeoutError):
+        await wait_for(slow(), 0.05)
+    assert cancelled.is_set()
+    task = asyncio.create_task(asyncio.sleep(30))
+    with pytest.raises(TimeoutError):
+        await wait_for(task, 0.05)
+    assert task.cancelled()
+
+
+async def test_results_errors_and_no_limit_pass_through() -> None:
+    assert await wait_for(asyncio.sleep(0.01, result="x"), 5) == "x"
+    assert await wait_for(asyncio.sleep(0.01, result="y"), None) == "y"
+
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        await wait_for(fails(), 5)
+
+
+async def test_a_limit_of_zero_takes_what_is_done_and_times_out_the_rest() -> None:
+    done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    done.set_result(7)
+    assert await wait_for(done, 0) == 7
+    pending = asyncio.create_task(asyncio.sleep(30))
+    with pytest.raises(TimeoutError):
+        await wait_for(pending, -1.0)
+    assert pending.cancelled()
+
+
+async def test_a_cancel_from_outside_is_a_cancel_not_a_timeout() -> None:
+    inner = asyncio.create_task(asyncio.sleep(30))
+    outer = asyncio.create_task(wait_for(inner, 10))
+    await asyncio.sleep(0.01)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await outer
+    assert inner.cancelled()

@@ -1,0 +1,40 @@
+"""asyncio helpers every floor uses.
+
+`wait_for` replaces `asyncio.wait_for` in all product code (tests/test_layering.py holds
+that). On Python 3.11, our floor, `asyncio.wait_for` can swallow a cancellation: when the
+awaited thing finishes in the same loop turn as the task running `wait_for` is
+cancelled, it returns the result and the cancel is lost (CPython gh-86296; 3.12 rebuilt
+`wait_for` on `asyncio.timeout`, GH-96764). A loop cancelled at shutdown then goes on
+forever. It happened here: `babelcast gateway` hung on Ctrl-C when the signal came as a
+restarted worker said `ready` (CI, stop 24). This one is built on `asyncio.timeout`, as
+3.12's is, so a cancel always reaches the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+# ASYNC109 prefers `asyncio.timeout` at each call; this is that, behind the one name.
+async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:  # noqa: ASYNC109
+    """`await aw`, raising TimeoutError after `timeout` seconds (None: no limit); on a
+    timeout `aw` is cancelled and waited for, as `asyncio.wait_for` does."""
+    if sys.version_info >= (3, 12):
+        return await asyncio.wait_for(aw, timeout)
+    if timeout is not None and timeout <= 0:
+        fut = asyncio.ensure_future(aw)
+        if not fut.done():
+            fut.cancel()
+            # Let it run its cancellation out; a cancel of ours passes on to it.
+            await asyncio.wait([fut])
+        try:
+            return fut.result()
+        except asyncio.CancelledError as exc:
+            raise TimeoutError from exc
+    async with asyncio.timeout(timeout):
+        return await aw
