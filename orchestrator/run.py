@@ -35,6 +35,7 @@ from orchestrator.outputs.config import hls_options, start_outputs
 from orchestrator.redis_child import keep_alive
 from orchestrator.redis_server import free_port
 from orchestrator.runtime import EventRuntime
+from workers.aio import wait_for
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class ServedGateway:
     group: WorkerGroup | None = None
 
     async def aclose(self) -> None:
+        if self.workers is not None:
+            # First, so the keeper stops restarting even where a cancel is lost.
+            self.workers.stop_restarting()
         if self.keeper is not None:
             self.keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -115,7 +119,7 @@ class ServedGateway:
         if self.workers is not None:
             await self.workers.aclose()
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.task, 10)
+            await wait_for(self.task, 10)
         if self.group is not None:
             self.group.remove()
 
@@ -248,7 +252,7 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         timeout = None if duration_s is None else max(0.0, duration_s - (time.monotonic() -
                                                                          started))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout)
+            await wait_for(stop.wait(), timeout)
         stop.set()
         for task in (control, viewer, supervisor, *background):
             task.cancel()

@@ -66,6 +66,17 @@ def metric_folders() -> set[Path]:
     return set(Path(tempfile.gettempdir()).glob("babelcast-gw-*"))
 
 
+def _stacks(pid: int) -> str:
+    """Where a hung process is (py-spy, installed with the test tools), for the failure
+    message; what py-spy said when it cannot read it."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return "(py-spy not installed)"
+    done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
+                          text=True, timeout=30, check=False)
+    return (done.stdout + done.stderr)[-6000:]
+
+
 @pytest.fixture
 def gateway(redis_url: str, tmp_path: Path) -> Iterator[Gateway]:
     folders_before = metric_folders()
@@ -108,8 +119,10 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
+            stacks = _stacks(proc.pid)
             proc.kill()
-            pytest.fail("babelcast gateway did not stop on SIGINT")
+            pytest.fail("babelcast gateway did not stop on SIGINT; its log:\n"
+                        f"{log.read_text()[-3000:]}\nits stacks:\n{stacks}")
         assert proc.returncode == 0, log.read_text()[-3000:]
         assert not [p for p in workers if Path(f"/proc/{p}").exists()
                     and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]], \

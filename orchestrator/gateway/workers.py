@@ -197,8 +197,12 @@ class GatewayWorkers:
             w.restarts += 1
             return
 
-    async def aclose(self) -> None:
+    def stop_restarting(self) -> None:
+        """`run()` ends and no worker is started again; those running go on."""
         self._closing = True
+
+    async def aclose(self) -> None:
+        self.stop_restarting()
         procs = [w.proc for w in self._workers
                  if w.proc is not None and w.proc.returncode is None]
         for proc in procs:
