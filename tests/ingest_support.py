@@ -63,8 +63,8 @@ def with_beep(pcm: bytes) -> bytes:
 
 def from_beep(fed: bytes, length: int) -> bytes:
     """`length` bytes of `fed` (PCM16 that carries `with_beep`'s beep), starting where
-    `with_beep` starts: two recordings of one `with_beep` clip, cut so, line up to the
-    sample, whatever came before them in their stream."""
+    `with_beep` starts: two recordings of one `with_beep` clip, cut so, line up
+    (within the beep onset's few samples), whatever came before them in their stream."""
     samples = np.frombuffer(fed, dtype="<i2").astype(np.int32)
     loud = np.flatnonzero(np.abs(samples) > 8000)
     assert loud.size, "no beep in the audio"

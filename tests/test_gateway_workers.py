@@ -72,8 +72,11 @@ def _stacks(pid: int) -> str:
     spy = Path(sys.executable).with_name("py-spy")
     if not spy.exists():
         return "(py-spy not installed)"
-    done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
-                          text=True, timeout=30, check=False)
+    try:
+        done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
+                              text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        return "(py-spy dump did not answer in 30 s)"
     return (done.stdout + done.stderr)[-6000:]
 
 

@@ -30,7 +30,7 @@ async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:  # noqa: ASYNC
         fut = asyncio.ensure_future(aw)
         if not fut.done():
             fut.cancel()
-            # Let it run its cancellation out; a cancel of ours passes on to it.
+            # Cancelled just above: let it run its cancellation out.
             await asyncio.wait([fut])
         try:
             return fut.result()
