@@ -7,7 +7,9 @@ publisher of a stream may land on another process than the first, whose in-memor
 `LEASE_S` expiry, renewed every `RENEW_S` while its socket is open and deleted (only if
 still its own) when it closes. A worker killed with its publisher's socket open cannot
 delete the key; the expiry frees the stream `LEASE_S` later (a dropped connection was
-already held as long: uvicorn pings every 20 s).
+already held as long: uvicorn pings every 20 s). A renewal that finds the key gone (it
+expired while Redis or the host stood still, or Redis restarted empty) takes it back:
+only a lease another publisher holds closes the publisher (4409).
 """
 
 from __future__ import annotations
@@ -25,9 +27,17 @@ log = logging.getLogger(__name__)
 LEASE_S = 15
 RENEW_S = 5.0
 
+# Held by us: extended. Held by nobody (it expired while Redis, or this host, stood
+# still past LEASE_S, or Redis restarted empty): taken back, since no one else has the
+# stream. Only a lease another publisher holds is lost (0).
 _RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
 end
 return 0
 """
