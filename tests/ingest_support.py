@@ -61,14 +61,19 @@ def with_beep(pcm: bytes) -> bytes:
     return bytes(int(BEEP_AT_S * SAMPLE_RATE) * 2) + beep + bytes(SAMPLE_RATE * 2) + pcm
 
 
+def beep_onset(pcm: bytes) -> int | None:
+    """The sample where `with_beep`'s beep starts in `pcm` (PCM16); None if it is not in."""
+    loud = np.flatnonzero(np.abs(np.frombuffer(pcm, dtype="<i2").astype(np.int32)) > 8000)
+    return int(loud[0]) if loud.size else None
+
+
 def from_beep(fed: bytes, length: int) -> bytes:
     """`length` bytes of `fed` (PCM16 that carries `with_beep`'s beep), starting where
     `with_beep` starts: two recordings of one `with_beep` clip, cut so, line up
     (within the beep onset's few samples), whatever came before them in their stream."""
-    samples = np.frombuffer(fed, dtype="<i2").astype(np.int32)
-    loud = np.flatnonzero(np.abs(samples) > 8000)
-    assert loud.size, "no beep in the audio"
-    start = max(0, int(loud[0]) - int(BEEP_AT_S * SAMPLE_RATE))
+    onset = beep_onset(fed)
+    assert onset is not None, "no beep in the audio"
+    start = max(0, onset - int(BEEP_AT_S * SAMPLE_RATE))
     return fed[2 * start:2 * start + length]
 
 
@@ -327,11 +332,9 @@ class Pipeline:
         for _, fields in await self.bus.redis.xrange(audio_key(stream_id)):
             if fields.get(b"k") != b"pcm":
                 continue
-            samples = np.frombuffer(fields[b"pcm"], dtype="<i2")
-            loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > 8000)
-            if loud.size:
-                onset = int(fields[b"pos"]) + int(loud[0])
-                return onset / SAMPLE_RATE - BEEP_AT_S
+            onset = beep_onset(fields[b"pcm"])
+            if onset is not None:
+                return (int(fields[b"pos"]) + onset) / SAMPLE_RATE - BEEP_AT_S
         return None
 
 
