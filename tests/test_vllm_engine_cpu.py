@@ -40,7 +40,7 @@ STOCK_026 = {"model", "tokenizer_mode", "config_format", "load_format", "dtype",
              "max_model_len", "max_num_seqs", "max_num_batched_tokens",
              "gpu_memory_utilization", "enforce_eager", "enable_prefix_caching",
              "limit_mm_per_prompt", "compilation_config", "attention_backend",
-             "scheduler_cls", "worker_cls", "async_scheduling"}
+             "scheduler_cls", "worker_cls", "async_scheduling", "disable_log_stats"}
 FORK = STOCK_026 | {"enable_realtime_unbounded", "realtime_blank_run_k"}
 G480 = StreamGeometry(delay_s=0.48, left_pad=32, right_pad=17)
 
@@ -68,6 +68,7 @@ def test_engine_args_leave_headroom_for_rollovers() -> None:
     assert kw["max_num_batched_tokens"] == 400 * 20
     assert kw["tokenizer_mode"] == kw["config_format"] == "mistral"
     assert kw["enable_prefix_caching"] is False
+    assert kw["disable_log_stats"] is True  # nothing reads vLLM's stats
     assert kw["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert "scheduler_cls" not in kw
     assert engine_kwargs(VllmEngineOptions(model="/m", max_streams=2), STOCK_026)[

@@ -167,6 +167,9 @@ def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
         "enforce_eager": o.enforce_eager,
         "enable_prefix_caching": False,  # realtime sessions share no prefix worth caching
         "limit_mm_per_prompt": {"audio": 1},
+        # vLLM's own stats (a timestamp per request event, scheduler stats every step, a
+        # log line every 10 s) are read by nothing here: the ASR actor reports its own.
+        "disable_log_stats": True,
     }
     if o.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = o.kv_cache_dtype
