@@ -59,6 +59,13 @@ Like production:
   and its children over the measured window of each phase at level N (new or aged
   sessions: after ageing and warm-up); `profiles` gives each process's share and the top
   leaf frames. py-spy's own messages go to `D/<phase>.log`.
+- `--gpu-profile` (with `--profile-dir`): also vLLM's torch profiler in every engine core
+  taking part, for `GPU_PROFILE_S` of the same window (CUDA activity: kernels, copies;
+  CPU: vLLM's per-step annotations). `gpu_profiles` gives per engine the steps, the GPU's
+  busy share of the window (the union of its kernels and copies), GPU time per step and
+  the kernels with the most GPU time. The raw traces stay in `D/torch-fe<k>/`. A profiled
+  window runs slower (CUPTI, and the engine core writes the trace when it stops): read
+  that phase's frames/s as perturbed.
 """
 
 from __future__ import annotations
@@ -100,6 +107,9 @@ FRAME = 1280
 REALTIME_FPS = 12.0
 REALTIME_SHARE = 0.95
 WARM_S = 3.0
+GPU_PROFILE_S = 2.0
+"""Seconds of vLLM's torch profiler per profiled phase (`--gpu-profile`): ~25-40 engine
+steps per engine, and a trace the engine core writes in seconds when it stops."""
 AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
 AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
@@ -189,11 +199,15 @@ def _children_cpu_s() -> tuple[float, float]:
 async def _phase(n: int, seconds: float, audio: np.ndarray,
                  start: Callable[[int], Awaitable[Handle]], first: int = 0,
                  before: Callable[[], Awaitable[None]] | None = None,
-                 profile: str | None = None) -> dict[str, Any]:
+                 profile: str | None = None,
+                 gpu_profile: Callable[[], Awaitable[str | None]] | None = None
+                 ) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
     after every session started and before the clock starts (ageing). With `profile` (a
-    file), py-spy records this process and its children over the measured window."""
+    file), py-spy records this process and its children over the measured window; with
+    `gpu_profile` too, it is awaited at the window's start (vLLM's torch profiler for a
+    while; it returns the trace's path, reported as `gpu_trace`)."""
     handles = [await start(first + i) for i in range(n)]
     t_age = time.monotonic()
     if before is not None:
@@ -224,6 +238,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         marks["t"] = time.monotonic()
         if profile is not None:
             marks["spy"] = _py_spy(os.getpid(), Path(profile), seconds - WARM_S - 0.5)
+        if gpu_profile is not None:
+            marks["gpu_trace"] = await gpu_profile()
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
@@ -243,6 +259,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         "engine_core_us_per_chunk": children[0] / chunks * 1e6,
         "helpers_us_per_chunk": children[1] / chunks * 1e6,
         "aged_in_s": round(aged_in_s, 1),
+        **({"gpu_trace": marks["gpu_trace"]} if marks.get("gpu_trace") else {}),
     }
 
 
@@ -402,6 +419,27 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                "vllm_version": vllm.__version__, "pid": os.getpid(),
                "direct_check": direct_check})
 
+    async def gpu_profile() -> str | None:
+        """vLLM's torch profiler in this engine core for GPU_PROFILE_S: the new trace."""
+        folder = Path(options.torch_profiler_dir or ".")
+
+        def traces() -> set[Path]:
+            return set(folder.glob("*.pt.trace.json*"))
+
+        before = await asyncio.to_thread(traces)
+        try:
+            await llm.start_profile()
+            try:
+                await asyncio.sleep(GPU_PROFILE_S)
+            finally:
+                await llm.stop_profile()
+        except Exception as exc:  # the phase goes on; the report says no trace
+            print(f"gpu profile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return None
+        new = await asyncio.to_thread(
+            lambda: sorted(traces() - before, key=lambda p: p.stat().st_mtime))
+        return str(new[-1]) if new else None
+
     async def ours(i: int, direct: bool) -> Handle:
         session = engine.open_session(SessionOptions(f"ours{i}", "auto"))
         session.direct_input = direct  # type: ignore[attr-defined]  # whatever auto chose
@@ -560,8 +598,9 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             async def starter(i: int, direct: bool = direct) -> Handle:
                 return await ours(i, direct)
         try:
+            profiled = cmd.get("profile") and options.torch_profiler_dir and path != "stock"
             result = await _phase(n, seconds, audio, starter, first, before,
-                                  cmd.get("profile"))
+                                  cmd.get("profile"), gpu_profile if profiled else None)
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
@@ -718,6 +757,86 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
     return out
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Trace categories of work on the GPU (torch profiler, CUDA activity)."""
+STEP_PREFIX = "execute_context_"
+"""vLLM's annotation of each engine step in a torch profiler trace (gpu_worker.py
+`annotate_profile`): `execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)`."""
+
+
+def summarize_gpu_trace(path: str, top: int = 12) -> dict[str, Any]:
+    """One engine core's torch profiler trace (Chrome trace JSON, gzipped or not): its
+    window, the engine steps in it (vLLM's annotations) and the requests they carried,
+    the GPU's busy share of the window (the union of its kernels and copies: two at once
+    count once), GPU time per step, and the kernels with the most GPU time."""
+    import gzip
+
+    opener: Any = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    if not spans:
+        return {"error": "no timed events in the trace"}
+    gpu = [e for e in spans if str(e.get("cat", "")).lower() in GPU_CATEGORIES]
+    steps = [e for e in spans if str(e.get("name", "")).startswith(STEP_PREFIX)]
+    t0 = min(float(e["ts"]) for e in spans)
+    window = max(float(e["ts"]) + float(e["dur"]) for e in spans) - t0  # µs
+    busy = 0.0
+    end = -math.inf
+    for a, b in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name: dict[str, list[float]] = {}
+    by_category: dict[str, float] = {}
+    for e in gpu:
+        name = str(e.get("name", "?"))
+        row = by_name.setdefault(name, [0.0, 0])
+        row[0] += float(e["dur"])
+        row[1] += 1
+        cat = str(e.get("cat", "")).lower()
+        by_category[cat] = by_category.get(cat, 0.0) + float(e["dur"])
+    gpu_total = sum(v[0] for v in by_name.values())
+    requests = [_step_requests(str(e["name"])) for e in steps]
+    n = len(steps)
+    return {
+        "window_s": round(window / 1e6, 3),
+        "steps": n,
+        "requests_per_step": (round(sum(requests) / n, 2) if n else None),
+        "step_cpu_ms_p50": (round(statistics.median(float(e["dur"]) for e in steps) / 1e3, 3)
+                            if n else None),
+        "gpu_busy_share": round(busy / window, 3) if window > 0 else None,
+        "gpu_busy_ms_per_step": round(busy / n / 1e3, 3) if n else None,
+        "gpu_ops_per_step": round(len(gpu) / n, 1) if n else None,
+        "gpu_ms_by_category": {c: round(v / 1e3, 2) for c, v in sorted(by_category.items())},
+        "top_gpu": [[name[:120], round(v[0] / 1e3, 2),
+                     round(v[0] / gpu_total, 3) if gpu_total else None, v[1]]
+                    for name, v in sorted(by_name.items(), key=lambda x: -x[1][0])[:top]],
+    }
+
+
+def _step_requests(annotation: str) -> int:
+    """Requests in one step from vLLM's annotation (context + generation)."""
+    import re
+
+    return sum(int(x) for x in re.findall(r"_(\d+)\(", "_" + annotation[len("execute"):]))
+
+
+def gpu_profiles(traces: dict[str, str | None]) -> dict[str, Any]:
+    """`summarize_gpu_trace` per engine (front end); a missing or unreadable trace says so."""
+    out: dict[str, Any] = {}
+    for name, path in traces.items():
+        if not path:
+            out[name] = {"error": "no trace (the front end's stderr says why)"}
+            continue
+        try:
+            out[name] = summarize_gpu_trace(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
+
+
 # ---- orchestration --------------------------------------------------------------------
 def plan(config: str, shared: bool = False) -> list[tuple[int, str]]:
     """(front end, path) pairs that run a configuration; sessions split evenly. With
@@ -791,6 +910,9 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "melspec_sync_free": all(r.get("melspec") for r in results),
         "token_writes_incremental": all(r.get("token_writes") for r in results),
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
+        **({"gpu_profile": await asyncio.to_thread(gpu_profiles, {
+            f"fe{f}": r.get("gpu_trace") for (f, _), r in zip(parts, results, strict=True)})}
+           if profile_dir and any("gpu_trace" in r for r in results) else {}),
     }
 
 
@@ -869,11 +991,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             partial_path.write_text(json.dumps(progress))
         return row
 
-    def opts(streams: int) -> VllmEngineOptions:
+    def opts(streams: int, f: int) -> VllmEngineOptions:
+        torch_dir = (str((Path(args.profile_dir) / f"torch-fe{f}").resolve())
+                     if args.gpu_profile and args.profile_dir else None)
+        if torch_dir:
+            Path(torch_dir).mkdir(parents=True, exist_ok=True)
         return VllmEngineOptions(
             model=args.model, max_streams=streams, max_model_len=args.max_model_len,
             load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
-            gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3))
+            gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
+            torch_profiler_dir=torch_dir)
 
 
     wanted = ([0] if need_main else []) + list(range(1, multi + 1))
@@ -882,7 +1009,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for f in wanted:  # one at a time: vLLM profiles free memory while it starts
             alone = f == 0 or (shared and f == 1)  # takes one-engine configurations
-            fronts[f] = FrontEnd(f, opts(top if alone else -(-top // fewest)))
+            fronts[f] = FrontEnd(f, opts(top if alone else -(-top // fewest), f))
             started[f] = await fronts[f].ready()
         direct_ok = all(started[f].get("direct_check", {}).get("equal") for f in started)
         if not direct_ok:
@@ -1059,6 +1186,10 @@ def main() -> int:
                     help="py-spy the front ends (and their children) at --profile-level")
     ap.add_argument("--profile-level", type=int, default=None,
                     help="the level (new sessions and aged) to profile")
+    ap.add_argument("--gpu-profile", action="store_true",
+                    help="with --profile-dir: also vLLM's torch profiler in the engine cores "
+                         "at --profile-level (`gpu_profile` per phase: GPU busy share, GPU "
+                         "time per step, top kernels)")
     ap.add_argument("--partial", default=None,
                     help="write the rows measured so far to this file after every phase")
     ap.add_argument("--age-concurrency", type=int, default=AGE_CONCURRENCY,
@@ -1070,6 +1201,8 @@ def main() -> int:
                          "and each phase reports it (`kv`)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.gpu_profile and not (args.profile_dir and args.profile_level):
+        ap.error("--gpu-profile needs --profile-dir and --profile-level")
     if args.age_min is not None and not args.aged_ladder:
         from bench import voxtral_age
 

@@ -9,7 +9,8 @@
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
 #   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
-#   --profile-level N" py-spies the phases at level N, new and aged; engine-core levers
+#   --profile-level N" py-spies the phases at level N, new and aged; "--gpu-profile" adds
+#   vLLM's torch profiler there: GPU busy share, GPU ms per step, top kernels; engine-core levers
 #   A/B on the same engines: CONFIGS="project-direct-x2+melspec project-direct-x2+melspec+tokens")
 #   GPUS=2 EPG=2 LADDER="32 48 64" bash .stage/extra/run_gpu.sh gpus   # bench.voxtral_gpus (x2 kind)
 #   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)

@@ -238,6 +238,53 @@ def test_kv_summary_reports_steps_per_second_and_requests_per_step(tmp_path: Pat
     assert idle["steps_per_s"] == 0.0 and idle["requests_per_step"] is None
 
 
+def test_a_torch_profiler_trace_gives_steps_and_their_requests(tmp_path: Path) -> None:
+    """A real torch profiler trace (CPU only here: no GPU activity), annotated as vLLM
+    annotates engine steps, gzipped as vLLM writes it."""
+    import gzip
+
+    import torch
+
+    raw = tmp_path / "trace.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for ctx, gen in ((1, 9), (0, 12), (2, 10)):
+            with torch.profiler.record_function(
+                    f"execute_context_{ctx}({ctx * 39})_generation_{gen}({gen})"):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+    prof.export_chrome_trace(str(raw))
+    packed = tmp_path / "engine.pt.trace.json.gz"
+    packed.write_bytes(gzip.compress(raw.read_bytes()))
+    got = capacity.summarize_gpu_trace(str(packed))
+    assert got["steps"] == 3
+    assert got["requests_per_step"] == 11.33  # (10 + 12 + 12) / 3
+    assert got["step_cpu_ms_p50"] > 0
+    assert got["gpu_busy_share"] == 0.0 and got["top_gpu"] == []  # no CUDA activity here
+
+
+def test_gpu_busy_time_counts_overlapping_kernels_once(tmp_path: Path) -> None:
+    """Hand-written trace events (the shape CUPTI's activity takes in a torch trace): the
+    busy share is the union of the GPU's intervals, kernels rank by their GPU time."""
+    def ev(name: str, cat: str, ts: float, dur: float) -> dict[str, Any]:
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+    events = [
+        ev("execute_context_0(0)_generation_4(4)", "user_annotation", 0, 400),
+        ev("execute_context_0(0)_generation_6(6)", "user_annotation", 500, 500),
+        ev("gemm", "kernel", 100, 200), ev("gemm", "kernel", 600, 100),
+        ev("flash_fwd", "kernel", 250, 100),  # overlaps the first gemm by 50
+        ev("Memcpy HtoD", "gpu_memcpy", 900, 50),
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    got = capacity.summarize_gpu_trace(str(tmp_path / "t.json"))
+    assert got["window_s"] == 0.001 and got["steps"] == 2
+    assert got["gpu_busy_share"] == 0.4  # 100-350, 600-700, 900-950: 400 of 1000 µs
+    assert got["gpu_busy_ms_per_step"] == 0.2
+    assert got["top_gpu"][0] == ["gemm", 0.3, round(300 / 450, 3), 2]
+    assert got["gpu_ms_by_category"] == {"gpu_memcpy": 0.05, "kernel": 0.4}
+    missing = capacity.gpu_profiles({"fe1": None, "fe2": str(tmp_path / "none.json")})
+    assert "no trace" in missing["fe1"]["error"]
+    assert missing["fe2"]["error"].startswith("FileNotFoundError")
+
+
 async def test_slow_ageing_goes_on_and_stalled_ageing_stops() -> None:
     """Ageing is stuck only when no session gets a step for a while, not when it is slow."""
     steps = [0]

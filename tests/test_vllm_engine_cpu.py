@@ -79,6 +79,12 @@ def test_engine_args_leave_headroom_for_rollovers() -> None:
     assert "kv_cache_dtype" not in kw
     assert engine_kwargs(VllmEngineOptions(model="/m", kv_cache_dtype="fp8"),
                          STOCK_026 | {"kv_cache_dtype"})["kv_cache_dtype"] == "fp8"
+    # vLLM's torch profiler exists only where a benchmark asks for it.
+    assert "profiler_config" not in engine_kwargs(VllmEngineOptions(model="/m"),
+                                                  STOCK_026 | {"profiler_config"})
+    profiled = engine_kwargs(VllmEngineOptions(model="/m", torch_profiler_dir="/t"),
+                             STOCK_026 | {"profiler_config"})["profiler_config"]
+    assert profiled["profiler"] == "torch" and profiled["torch_profiler_dir"] == "/t"
 
 
 def test_fork_flags_are_never_switched_on_or_claimed() -> None:

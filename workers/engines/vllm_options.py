@@ -78,6 +78,10 @@ class VllmEngineOptions:
     30 min 0 % real time without it, 100 % with it, and 72 aged 100 % with it; vLLM's
     writes fell from 26-31 % of the engine cores' samples to 5-6 % (bench.voxtral_capacity
     `+tokens`, README)."""
+    torch_profiler_dir: str | None = None
+    """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
+    writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`
+    (bench.voxtral_capacity `--gpu-profile`). None in production: no profiler exists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +175,13 @@ def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
         # log line every 10 s) are read by nothing here: the ASR actor reports its own.
         "disable_log_stats": True,
     }
+    if o.torch_profiler_dir and "profiler_config" in available:
+        # A dict here (this module imports no vLLM); the backend makes it a ProfilerConfig.
+        kwargs["profiler_config"] = {
+            "profiler": "torch", "torch_profiler_dir": o.torch_profiler_dir,
+            "torch_profiler_with_stack": False,  # kernels and ops, not Python stacks
+            "torch_profiler_dump_cuda_time_total": False,  # the bench sums the trace
+            "ignore_frontend": True}  # the engine core only
     if o.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = o.kv_cache_dtype
     if not o.enforce_eager:

@@ -153,8 +153,12 @@ class _AsyncLLMBackend:
         if options.reanchor == "on" and not self.reanchor_requested:
             log.warning("vllm %s has no scheduler_cls/worker_cls: re-anchoring is off",
                         self.version)
-        args = AsyncEngineArgs(**engine_kwargs(options, available,
-                                               reanchor=self.reanchor_requested))
+        kwargs = engine_kwargs(options, available, reanchor=self.reanchor_requested)
+        if isinstance(kwargs.get("profiler_config"), dict):  # benchmarks only
+            from vllm.config import ProfilerConfig
+
+            kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
+        args = AsyncEngineArgs(**kwargs)
         with gpu_start_lock():
             self.llm = AsyncLLM.from_engine_args(args)
         self.model_cls: Any = get_model_cls(self.llm.model_config)
