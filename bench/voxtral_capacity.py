@@ -63,9 +63,10 @@ Like production:
   taking part, for `GPU_PROFILE_S` of the same window (CUDA activity: kernels, copies;
   CPU: vLLM's per-step annotations). `gpu_profiles` gives per engine the steps, the GPU's
   busy share of the window (the union of its kernels and copies), GPU time per step and
-  the kernels with the most GPU time. The raw traces stay in `D/torch-fe<k>/`. A profiled
-  window runs slower (CUPTI, and the engine core writes the trace when it stops): read
-  that phase's frames/s as perturbed.
+  the kernels with the most GPU time. The raw traces stay in `D/torch-fe<k>/`. The
+  profiler runs over the window's last `GPU_PROFILE_S` (the engine core writes the trace
+  when it stops, after the window); CUPTI slows those seconds, so read that phase's
+  frames/s as perturbed.
 """
 
 from __future__ import annotations
@@ -206,8 +207,9 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
     after every session started and before the clock starts (ageing). With `profile` (a
     file), py-spy records this process and its children over the measured window; with
-    `gpu_profile` too, it is awaited at the window's start (vLLM's torch profiler for a
-    while; it returns the trace's path, reported as `gpu_trace`)."""
+    `gpu_profile` too, it runs over the window's last seconds (vLLM's torch profiler; it
+    returns the trace's path, reported as `gpu_trace`), so that the engine core writes
+    the trace after the measured window, not in it."""
     handles = [await start(first + i) for i in range(n)]
     t_age = time.monotonic()
     if before is not None:
@@ -238,14 +240,16 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         marks["t"] = time.monotonic()
         if profile is not None:
             marks["spy"] = _py_spy(os.getpid(), Path(profile), seconds - WARM_S - 0.5)
-        if gpu_profile is not None:
-            marks["gpu_trace"] = await gpu_profile()
+        if gpu_profile is not None:  # the window's last seconds: the trace is written after
+            marks["gpu"] = asyncio.create_task(_after(
+                max(0.0, seconds - WARM_S - GPU_PROFILE_S - 0.5), gpu_profile))
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
     cpu = time.process_time() - marks["cpu"]
     children = [b - a for a, b in zip(marks["children"], _children_cpu_s(), strict=True)]
     final = [h[1]() for h in handles]
+    gpu_trace = await marks["gpu"] if "gpu" in marks else None
     await asyncio.gather(*(h[2]() for h in handles))
     if marks.get("spy") is not None:
         await asyncio.to_thread(marks["spy"].wait, 60)
@@ -259,8 +263,13 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         "engine_core_us_per_chunk": children[0] / chunks * 1e6,
         "helpers_us_per_chunk": children[1] / chunks * 1e6,
         "aged_in_s": round(aged_in_s, 1),
-        **({"gpu_trace": marks["gpu_trace"]} if marks.get("gpu_trace") else {}),
+        **({"gpu_trace": gpu_trace} if gpu_trace else {}),
     }
+
+
+async def _after(delay_s: float, then: Callable[[], Awaitable[str | None]]) -> str | None:
+    await asyncio.sleep(delay_s)
+    return await then()
 
 
 # ---- the production feed ----------------------------------------------------------------

@@ -182,14 +182,25 @@ async def test_a_phase_profiles_its_measured_window_with_its_children(tmp_path: 
     opened = track_sessions(engine)
     service = vad.VadService(1)
     profile = tmp_path / "project-direct-3-fe0.txt"
+    t0 = time.monotonic()
+    started: list[float] = []
+
+    async def gpu_profile() -> str:  # FAKE: stands in for vLLM's torch profiler (no GPU)
+        started.append(time.monotonic() - t0)
+        await asyncio.sleep(0.2)
+        return str(tmp_path / "engine.pt.trace.json.gz")
+
     try:
         result = await _phase(
             3, 5.5, speech(), lambda i: open_production(engine, service, opened, i),
-            profile=str(profile))
+            profile=str(profile), gpu_profile=gpu_profile)
     finally:
         service.shutdown()
         await engine.aclose()
     assert len(result["fps"]) == 3
+    # the GPU profile too starts once the warm-up is over, and the phase names its trace
+    assert len(started) == 1 and started[0] >= capacity.WARM_S
+    assert result["gpu_trace"] == str(tmp_path / "engine.pt.trace.json.gz")
     got = summarize_profiles(str(tmp_path))["project-direct-3-fe0"]
     if got["samples"] == 0:  # a host that forbids attaching: the bench says why
         assert "ermission" in got["py_spy"] or "rror" in got["py_spy"], got
