@@ -7,4 +7,5 @@ bash scripts/setup.sh
 echo "== ruff";   .venv/bin/ruff check .
 echo "== mypy";   .venv/bin/mypy
 echo "== babelcast validate examples/demo.yaml"; .venv/bin/babelcast validate examples/demo.yaml
-echo "== pytest"; .venv/bin/pytest -ra "$@"
+# --durations: the slowest tests, so a run shows where the suite's time goes (~15 min aim)
+echo "== pytest"; .venv/bin/pytest -ra --durations=25 "$@"
