@@ -187,9 +187,9 @@ class VllmConfig(_Strict):
         default=1, ge=1, le=8,
         description="ASR actors (each a vLLM engine with its own front-end process) that "
                     "share one GPU; each takes gpu_memory_utilization / engines_per_gpu. Two "
-                    "held more than one (one engine's per-chunk Python work bounded it); three "
-                    "more new sessions but no more aged ones, four no more than two "
-                    "(bench.voxtral_capacity, README)")
+                    "held more than one (one engine's per-chunk Python work bounded it); "
+                    "three held more new sessions but no more aged ones, four no more than "
+                    "two (bench.voxtral_capacity, README)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
