@@ -234,9 +234,17 @@ def test_mute_engine_is_replaced_soon_after_it_hears_speech(results: dict[str, A
     print(f"mute: heard {muted_from:.1f} s at onset, caught after {caught_at - muted_from:.1f}"
           f" s of heard audio, text again {recovered - onset:.1f} s after the onset")
     assert caught_at > muted_from, "replaced before the engine went mute"
-    # The policy's 6 s of speech, the talk's pauses among it, and one decode step of a
-    # busy engine (heard moves in steps of 2-3 s here): 7.9-9.3 s measured on 2 cores.
-    assert caught_at - muted_from <= 12.0
+    # The watchdog judges only what the session has heard, and heard moves in decode steps
+    # whose size is the engine's (2-3 s on an idle 2-core host, 3.5 s or more on a busy
+    # one: 13.6 s from the mute to the catch in one CI-like run). So the bound is on the
+    # step before the catch: by then the session had heard less than the policy's 6 s of
+    # speech plus the talk's pauses among it (1.6 s each), and the very next step caught
+    # it. Measured: 7.9 s before the catch at 10.3 s (idle 2-core host).
+    before = [h for _, h, ruts in played.heard
+              if h is not None and ruts < 1 and muted_from <= h < caught_at]
+    last_step_before = max(before, default=muted_from)
+    print(f"mute: the step before the catch had heard {last_step_before - muted_from:.1f} s")
+    assert last_step_before - muted_from < 10.0
     later = [w for wall, w in played.words if wall > recovered]
     assert len(later) >= 40, "captions did not go on after the recovery"
 
