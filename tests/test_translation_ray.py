@@ -75,7 +75,9 @@ async def test_killing_one_of_two_translators_loses_no_translation(
         segs = await published(bus, "talk", lang)
         ids = [s.segment_id for s in segs]
         assert sorted(ids) == [j.segment_id for j in jobs], f"{lang}: each final exactly once"
-        assert all(s.is_final and s.text and s.error is None for s in segs)
+        bad = [(s.segment_id, s.is_final, len(s.text), s.error) for s in segs
+               if not (s.is_final and s.text and s.error is None)]
+        assert not bad, f"{lang}: (segment, final, chars, error) not translated: {bad}"
         assert [s.seq for s in segs] == list(range(1, len(jobs) + 1))
     stats = await survivor.stats.remote()
     assert stats.get("claimed", 0) > 0, "the survivor took over the killed one's jobs"
