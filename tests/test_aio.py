@@ -1,4 +1,5 @@
-"""workers.aio.wait_for: what asyncio.wait_for does, except that a cancel is never lost.
+"""workers.aio.wait_for: what asyncio.wait_for does, except that a cancel is never lost;
+and cancel_and_wait, a stop whose wait is bounded even for a task that will not stop.
 
 The race it closes (CPython gh-86296, fixed in 3.12): the awaited future completes and
 the waiting task is cancelled in the same loop turn. Python 3.11's asyncio.wait_for
@@ -9,13 +10,14 @@ hung on Ctrl-C that way (tests/test_gateway_workers.py's teardown, on CI).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
-from workers.aio import wait_for
+from workers.aio import cancel_and_wait, wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -104,3 +106,54 @@ async def test_a_cancel_from_outside_is_a_cancel_not_a_timeout() -> None:
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert inner.cancelled()
+
+
+async def test_cancel_and_wait_returns_at_its_timeout_when_the_task_will_not_stop() -> None:
+    """wait_for(task, t) would wait for such a task forever; cancel_and_wait does not."""
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await cancel_and_wait(task, 0.3) is False
+    assert 0.25 <= loop.time() - started < 2.0
+    assert not task.done()
+    release.set()
+    await task
+
+
+async def test_cancel_and_wait_stops_a_willing_task_and_drops_its_error() -> None:
+    async def fails_on_cancel() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+    task = asyncio.create_task(fails_on_cancel())
+    await asyncio.sleep(0)
+    assert await cancel_and_wait(task, 5) is True
+    assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_a_cancel_of_the_caller_of_cancel_and_wait_reaches_it() -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await release.wait()
+
+    inner = asyncio.create_task(stubborn())
+    outer = asyncio.create_task(cancel_and_wait(inner, 30))
+    await asyncio.sleep(0.05)
+    outer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(outer, 2)
+    release.set()
+    await inner

@@ -7,6 +7,7 @@ What a test checks is what the ASR side and operators see: the entries of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.server
 import itertools
@@ -17,6 +18,7 @@ import wave
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +27,8 @@ from tests.speech import AUDIO
 from tests.waiting import eventually
 from workers.bus import RedisBus, audio_key
 from workers.events import SAMPLE_RATE, StreamOptions
-from workers.ingest import IngestHost, IngestHostOptions
+from workers.ingest import STOP_WAIT_S, IngestHost, IngestHostOptions, _default_factory
+from workers.sources.base import AudioSource
 
 pytestmark = pytest.mark.integration
 
@@ -272,3 +275,63 @@ async def test_audio_after_an_ingest_restart_is_not_glued_to_the_audio_before(
     # The audio clock follows wall time across the hole, as it does across a reconnect.
     lost_s = first_new.wall - before[-1].wall - first_new.samples / SAMPLE_RATE
     assert (first_new.pos - before[-1].end) / SAMPLE_RATE == pytest.approx(lost_s, abs=0.1)
+
+
+class _HungCloseSource(AudioSource):
+    """TEST DOUBLE for a source whose release hangs and will not be cancelled (a network
+    teardown stuck in a thread that no one can interrupt). It never yields audio."""
+
+    url = "hung://close"
+
+    def __init__(self, release: asyncio.Event) -> None:
+        self._release = release
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""  # pragma: no cover - never reached
+
+    async def aclose(self) -> None:
+        while not self._release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._release.wait()
+
+
+async def test_removing_a_stream_whose_source_will_not_close_returns_and_spares_the_others(
+    redis_url: str, bus: RedisBus, caplog: pytest.LogCaptureFixture
+) -> None:
+    release = asyncio.Event()
+
+    def factory(opts: StreamOptions, executor: Any) -> AudioSource:
+        return (_HungCloseSource(release) if opts.stream_id == "hung"
+                else _default_factory(opts, executor))
+
+    host = IngestHost(IngestHostOptions(actor_id="ingest-t", redis_url=redis_url),
+                      source_factory=factory)
+    await host.start()
+    try:
+        await host.add_stream(options("hung", "hung://close"))
+        await host.add_stream(options("good", str(AUDIO / "room-a.flac")))
+        await eventually(lambda: _state_is(bus, "good", "live"), 10, "the good stream live")
+        await eventually(lambda: _state_is(bus, "hung", "connecting"), 10, "the hung source open")
+
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(host.remove_stream("hung"), STOP_WAIT_S + 10)
+        took = asyncio.get_running_loop().time() - started
+        assert STOP_WAIT_S - 0.5 <= took <= STOP_WAIT_S + 5, took
+        assert "hung" not in host.streams()
+        warning = [r.getMessage() for r in caplog.records if "did not stop" in r.getMessage()]
+        assert warning and "aclose" in warning[0], warning
+
+        # The other stream never noticed: its audio runs on without a gap.
+        before = await bus.redis.xlen(audio_key("good"))
+        await asyncio.sleep(1.0)
+        good = await audio_entries(bus, "good")
+        assert len(good) > before and all(e.kind == "pcm" for e in good)
+        assert (await bus.get_status("good"))["source_state"] == "live"
+    finally:
+        release.set()
+        await asyncio.wait_for(host.stop(), 15)
+
+
+async def _state_is(bus: RedisBus, stream: str, state: str) -> bool:
+    return (await bus.get_status(stream)).get("source_state") == state

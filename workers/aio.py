@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -38,3 +38,20 @@ async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:  # noqa: ASYNC
             raise TimeoutError from exc
     async with asyncio.timeout(timeout):
         return await aw
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], timeout: float) -> bool:  # noqa: ASYNC109
+    """Cancel `task` and wait at most `timeout` seconds for it to finish; True if it did.
+
+    Not `wait_for(task, timeout)`: on a timeout that cancels the task again and then waits
+    for it with no limit, so a task that does not finish when cancelled (a cleanup stuck
+    on a thread, a `finally` that swallows the cancel) would hold its caller forever. A
+    task still running after `timeout` is left to finish on its own; the caller says so.
+    What the task ended with (a result, an error) is dropped, as a stop wants.
+    A cancel of the caller still reaches the caller.
+    """
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if done and not task.cancelled():
+        task.exception()  # retrieved: an error it ended with is not logged as unhandled
+    return bool(done)

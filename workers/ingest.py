@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.aio import wait_for
+from workers.aio import cancel_and_wait
 from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
 from workers.sessions.stall import StallThreshold, ingest_threshold
@@ -168,6 +168,23 @@ SOURCE_STATES = ("starting", "connecting", "live", "idle", "reconnecting", "ende
 
 METRICS_EVERY_S = 1.0
 """How often a stream's decoded audio seconds reach the metrics sink."""
+STOP_WAIT_S = 5.0
+"""How long `remove_stream` waits for a cancelled stream task to finish."""
+
+
+def awaiting(task: asyncio.Task[Any]) -> str:
+    """Where a pending task waits: its coroutines from the outermost to the innermost
+    (`Task.get_stack` shows only the outermost)."""
+    parts: list[str] = []
+    coro: Any = task.get_coro()
+    while coro is not None and len(parts) < 8:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            break
+        parts.append(f"{frame.f_code.co_name} "
+                     f"({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+    return " -> ".join(parts) or "?"
 
 
 class IngestHost:
@@ -223,9 +240,10 @@ class IngestHost:
     async def remove_stream(self, stream_id: str) -> None:
         task = self._tasks.pop(stream_id, None)
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await wait_for(task, 5)
+            if not await cancel_and_wait(task, STOP_WAIT_S):
+                log.warning("stream %s: its ingest task did not stop within %.0f s, left to "
+                            "finish on its own; it waits in %s", stream_id, STOP_WAIT_S,
+                            awaiting(task))
         self._state.pop(stream_id, None)
 
     async def health(self) -> dict[str, str]:

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from workers.aio import wait_for
+from workers.aio import cancel_and_wait
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
 log = logging.getLogger(__name__)
@@ -144,9 +144,7 @@ class RecognizeSession(ABC):
     async def aclose(self, grace_s: float = 5.0) -> None:
         if self._task is None:
             return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await wait_for(self._task, grace_s)
+        await cancel_and_wait(self._task, grace_s)  # a task that will not stop is left
         self._task = None
 
 
