@@ -773,6 +773,11 @@ STEP_PREFIX = "execute_context_"
 `annotate_profile`): `execute_context_<requests>(<tokens>)_generation_<requests>(<tokens>)`."""
 
 
+KERNEL_NAME_CHARS = 260
+"""A kernel's name in the summary is cut here: FlashAttention's names say their KV type
+(`float_e4m3_t` or `bfloat16_t`) and tile only after ~200 characters."""
+
+
 def summarize_gpu_trace(path: str, top: int = 12) -> dict[str, Any]:
     """One engine core's torch profiler trace (Chrome trace JSON, gzipped or not): its
     window, the engine steps in it (vLLM's annotations) and the requests they carried,
@@ -819,7 +824,7 @@ def summarize_gpu_trace(path: str, top: int = 12) -> dict[str, Any]:
         "gpu_busy_ms_per_step": round(busy / n / 1e3, 3) if n else None,
         "gpu_ops_per_step": round(len(gpu) / n, 1) if n else None,
         "gpu_ms_by_category": {c: round(v / 1e3, 2) for c, v in sorted(by_category.items())},
-        "top_gpu": [[name[:120], round(v[0] / 1e3, 2),
+        "top_gpu": [[name[:KERNEL_NAME_CHARS], round(v[0] / 1e3, 2),
                      round(v[0] / gpu_total, 3) if gpu_total else None, v[1]]
                     for name, v in sorted(by_name.items(), key=lambda x: -x[1][0])[:top]],
     }
