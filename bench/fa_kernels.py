@@ -25,8 +25,8 @@ First run (H200, vLLM 0.26.0, torch 2.11, 2026-12-02; README has the table): FA3
 splits on its own (its varlen scheduler plus a combine kernel): forcing `num_splits`
 changed no aged shape by more than a few per cent. fp8 KV reads at 1.3-2.6 TB/s where
 bf16 reads at 3.0-4.3, so fp8 buys cache, not speed. And a window that has slid costs
-more than the same 8,192 positions read from the start (fp8, 14 sessions: 175 µs at
-context 16,000 against 98 µs at 8,192): `--contexts` is there to find out why.
+more than the same 8,192 positions read from the start. A second run swept `--contexts`:
+fp8, 14 sessions: 99.8 µs at 8,192, 145 at 8,193, 181 at 12,288, 172 at 16,384.
 """
 from __future__ import annotations
 
