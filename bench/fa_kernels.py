@@ -40,7 +40,7 @@ DECODER = {"heads_q": 32, "heads_kv": 8, "head_dim": 128, "window": 8192, "block
 ENCODER = {"heads_q": 32, "heads_kv": 32, "head_dim": 64, "window": 189, "block": 16}
 
 
-def _case(torch: Any, fa: Any, shape: dict, batch: int, context: int, q_len: int,
+def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, q_len: int,
           kv_dtype: str, splits: int, iters: int, repeats: int) -> dict[str, Any]:
     dev = "cuda"
     hq, hk, d, block = shape["heads_q"], shape["heads_kv"], shape["head_dim"], shape["block"]
@@ -90,7 +90,7 @@ def _case(torch: Any, fa: Any, shape: dict, batch: int, context: int, q_len: int
             "kv_gb_per_s": round(bytes_read / (us * 1e-6) / 1e9, 1)}
 
 
-def _kernel_names(torch: Any, fa: Any, shape: dict, batch: int, context: int,
+def _kernel_names(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int,
                   kv_dtype: str, splits: int) -> list[str]:
     """The kernels one call launches, full names (the capacity bench cuts them at 120)."""
     from torch.profiler import ProfilerActivity, profile
