@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.aio import cancel_and_wait
+from workers.aio import wait_for
 from workers.backlog import BacklogGuard
 from workers.bus import RETRYABLE, RedisBus, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
@@ -373,9 +373,10 @@ class _StreamRunner:
                                metric_gauges)
 
     async def stop(self) -> None:
-        if self.task is not None and not await cancel_and_wait(self.task, 5):
-            log.warning("stream %s: its ASR task did not stop within 5 s, left to finish "
-                        "on its own", self.opts.stream_id)
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await wait_for(self.task, 5)
         if self.session is not None:
             await self.session.aclose()
 
