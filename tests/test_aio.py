@@ -108,16 +108,18 @@ async def test_a_cancel_from_outside_is_a_cancel_not_a_timeout() -> None:
     assert inner.cancelled()
 
 
+async def stubborn(release: asyncio.Event) -> None:
+    """A task that will not stop when cancelled: it swallows every cancel until `release`."""
+    while not release.is_set():
+        with contextlib.suppress(asyncio.CancelledError):
+            await release.wait()
+
+
 async def test_cancel_and_wait_returns_at_its_timeout_when_the_task_will_not_stop() -> None:
     """wait_for(task, t) would wait for such a task forever; cancel_and_wait does not."""
     release = asyncio.Event()
 
-    async def stubborn() -> None:
-        while not release.is_set():
-            with contextlib.suppress(asyncio.CancelledError):
-                await release.wait()
-
-    task = asyncio.create_task(stubborn())
+    task = asyncio.create_task(stubborn(release))
     await asyncio.sleep(0)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -144,12 +146,7 @@ async def test_cancel_and_wait_stops_a_willing_task_and_drops_its_error() -> Non
 async def test_a_cancel_of_the_caller_of_cancel_and_wait_reaches_it() -> None:
     release = asyncio.Event()
 
-    async def stubborn() -> None:
-        while not release.is_set():
-            with contextlib.suppress(asyncio.CancelledError):
-                await release.wait()
-
-    inner = asyncio.create_task(stubborn())
+    inner = asyncio.create_task(stubborn(release))
     outer = asyncio.create_task(cancel_and_wait(inner, 30))
     await asyncio.sleep(0.05)
     outer.cancel()
