@@ -18,8 +18,19 @@ model's sliding windows) outside the engine, so each knob can be read on its own
 Every figure is GPU time per call from CUDA events, the median of `--repeats` timings of
 `--iters` back-to-back calls, all measured in this one run. The decoder shape: 32 query /
 8 KV heads, head_dim 128, window 8,192, KV blocks of 128 (vLLM's choice for this model);
-the encoder's: 32/32 heads, head_dim 64, window 189 positions, blocks of 16.
+the encoder's without `--trim`: 32/32 heads, head_dim 64, window 189, blocks of 16, at
+2,000 positions (the pooled units vLLM's KV manager counts in, not the kernel's call:
+`--trim` has the kernel's).
 Nothing here runs without CUDA and vLLM's FA3 build; on other machines it exits 2.
+
+`--trim` times, instead, vLLM's call against the window-trimmed one that
+`engine.vllm.window_trim` makes (workers/engines/vllm_reanchor/window_trim.py: each
+session's block table from the first block its window sees), at FA3's own splits, for the
+decoder and for the encoder as the kernel sees it: Voxtral's encoder runs at 4 positions
+per decoder position (vLLM's block pooling), so its call has 4 query tokens per session,
+4 × the decoder's context, blocks of 64 and a 750-position window. Out-of-window blocks
+are the null block (0), as vLLM's sliding-window manager leaves them. Each row also gives
+the call's largest error against a float32 reference (`window_trim.reference`).
 
 First run (H200, vLLM 0.26.0, torch 2.11, 2026-12-02; README has the table): FA3 already
 splits on its own (its varlen scheduler plus a combine kernel): forcing `num_splits`
@@ -38,24 +49,45 @@ from typing import Any
 
 DECODER = {"heads_q": 32, "heads_kv": 8, "head_dim": 128, "window": 8192, "block": 128}
 ENCODER = {"heads_q": 32, "heads_kv": 32, "head_dim": 64, "window": 189, "block": 16}
+ENCODER_CALL = {"heads_q": 32, "heads_kv": 32, "head_dim": 64, "window": 750, "block": 64}
+"""The encoder's call as FA3 gets it: 4 query tokens and 4 × the decoder's positions."""
+ENCODER_PER_POSITION = 4
+TRIM_CONTEXTS = (8192, 8193, 8320, 9000, 12288, 16000)
 
 
 def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, q_len: int,
-          kv_dtype: str, splits: int, iters: int, repeats: int) -> dict[str, Any]:
+          kv_dtype: str, splits: int, iters: int, repeats: int,
+          variant: str | None = None) -> dict[str, Any]:
+    """One shape's GPU time per call. `variant` None: every block a real one (the first
+    runs); "full": out-of-window blocks null, as vLLM passes them; "trimmed": the tables
+    and lengths window_trim makes. The last two also report their error."""
     dev = "cuda"
     hq, hk, d, block = shape["heads_q"], shape["heads_kv"], shape["head_dim"], shape["block"]
     blocks_per_seq = -(-context // block)
-    n_blocks = batch * blocks_per_seq + 8
+    left = shape["window"] - 1
+    # variants: blocks out of every window are the null block 0 and need no memory
+    gone = 0 if variant is None else max(0, context - q_len - left) // block
+    n_blocks = batch * (blocks_per_seq - gone) + 8
     cache_dtype = torch.bfloat16
     k_cache = torch.randn(n_blocks, block, hk, d, device=dev, dtype=cache_dtype) * 0.5
     v_cache = torch.randn(n_blocks, block, hk, d, device=dev, dtype=cache_dtype) * 0.5
     # pages of one sequence are scattered, as in a cache that has run for a while
-    table = torch.randperm(n_blocks - 8, device=dev)[: batch * blocks_per_seq]
-    table = table.view(batch, blocks_per_seq).to(torch.int32)
+    live = torch.randperm(n_blocks - 8, device=dev)[: batch * (blocks_per_seq - gone)] + 1
+    table = torch.cat([torch.zeros(batch, gone, device=dev, dtype=live.dtype),
+                       live.view(batch, blocks_per_seq - gone)], dim=1).to(torch.int32)
     q = torch.randn(batch * q_len, hq, d, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     cu_q = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
     seqused = torch.full((batch,), context, device=dev, dtype=torch.int32)
+    max_k = context
+    if variant is not None:
+        from workers.engines.vllm_reanchor import window_trim
+
+        full_table, full_seq = table, seqused
+        if variant == "trimmed":
+            seqused, table, _ = window_trim.trim(seqused, cu_q, table, left, block)
+            table = table.contiguous()
+            max_k = window_trim.max_len_bound(context, q_len, left, block)
     kwargs: dict[str, Any] = {}
     if kv_dtype == "fp8":
         fp8 = torch.float8_e4m3fn
@@ -66,8 +98,8 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
     def call() -> None:
         fa.flash_attn_varlen_func(
             q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len,
-            seqused_k=seqused, max_seqlen_k=context, softmax_scale=d ** -0.5, causal=True,
-            window_size=[shape["window"] - 1, 0], block_table=table, fa_version=3,
+            seqused_k=seqused, max_seqlen_k=max_k, softmax_scale=d ** -0.5, causal=True,
+            window_size=[left, 0], block_table=table, fa_version=3,
             num_splits=splits, **kwargs)
 
     for _ in range(10):
@@ -85,9 +117,18 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
     loaded = min(context, shape["window"] + q_len)
     bytes_read = batch * loaded * hk * d * 2 * (1 if kv_dtype == "fp8" else 2)
     us = statistics.median(times)
-    return {"batch": batch, "context": context, "q_len": q_len, "kv": kv_dtype,
-            "splits": splits, "us_per_call": round(us, 2),
-            "kv_gb_per_s": round(bytes_read / (us * 1e-6) / 1e9, 1)}
+    row = {"batch": batch, "context": context, "q_len": q_len, "kv": kv_dtype,
+           "splits": splits, "us_per_call": round(us, 2),
+           "kv_gb_per_s": round(bytes_read / (us * 1e-6) / 1e9, 1)}
+    if variant is not None:
+        from workers.engines.vllm_reanchor import window_trim
+
+        ref = window_trim.reference(q.float(), k_cache, v_cache, cu_q[:3], full_seq[:2],
+                                    full_table[:2], left, d ** -0.5)
+        call()
+        err = (out[: 2 * q_len].float() - ref[: 2 * q_len]).abs().max().item()
+        row.update(variant=variant, max_err_vs_fp32=float(f"{err:.3g}"))
+    return row
 
 
 def _kernel_names(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int,
@@ -121,15 +162,55 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def trim_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per shape: vLLM's call (full) against the trimmed one, same run."""
+    by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        if "variant" in r:
+            by.setdefault((r["part"], r["kv"], r["batch"], r["context"], r["q_len"]),
+                          {})[r["variant"]] = r
+    out: dict[str, dict[str, Any]] = {}
+    for shape, v in by.items():
+        if "full" in v and "trimmed" in v:
+            full, cut = v["full"], v["trimmed"]
+            out["{} {} b{} ctx{} q{}".format(*shape)] = {
+                "full_us": full["us_per_call"], "trimmed_us": cut["us_per_call"],
+                "speedup": round(full["us_per_call"] / cut["us_per_call"], 2),
+                "err_full": full.get("max_err_vs_fp32"), "err_trimmed": cut.get("max_err_vs_fp32")}
+    return out
+
+
+def _trim_rows(torch: Any, fa: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for kv in ("bf16", "fp8"):
+        for batch in args.batches:
+            for context in args.contexts:
+                for part, shape, q_len, k in (("decoder", DECODER, 1, 1),
+                                              ("encoder", ENCODER_CALL, 4,
+                                               ENCODER_PER_POSITION)):
+                    for variant in ("full", "trimmed"):
+                        rows.append({"part": part, **_case(
+                            torch, fa, shape, batch, context * k, q_len, kv, 0,
+                            args.iters, args.repeats, variant=variant)})
+                        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 14, 28])
     ap.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 8192, 16000],
-                    help="decoder positions per session (past 8,192 the window slides)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None,
+                    help="decoder positions per session (past 8,192 the window slides); "
+                         "default 512 8192 16000, with --trim " +
+                         " ".join(map(str, TRIM_CONTEXTS)))
+    ap.add_argument("--trim", action="store_true",
+                    help="vLLM's call against the window-trimmed one (engine.vllm.window_trim)")
     args = ap.parse_args(argv)
+    if args.contexts is None:
+        args.contexts = list(TRIM_CONTEXTS) if args.trim else [512, 8192, 16000]
     try:
         import torch
         from vllm import vllm_flash_attn as fa
@@ -139,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"error": "needs a CUDA GPU"}))
         return 2
+    if args.trim:
+        trimmed = _trim_rows(torch, fa, args)
+        print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                          "iters": args.iters, "repeats": args.repeats,
+                          "trim": trim_summary(trimmed), "rows": trimmed}, indent=1))
+        return 0
     rows: list[dict[str, Any]] = []
     for kv in ("bf16", "fp8"):
         for batch in args.batches:

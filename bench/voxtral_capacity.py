@@ -21,6 +21,9 @@ orchestrates, samples the GPU and adds up. Configurations:
   switched per phase, so with and without run on the same engines in one run).
 - `…+tokens`, `…+melspec+tokens`: the same with the engine cores' incremental token
   history writes (`engine.vllm.incremental_token_writes`), switched the same way.
+- `…+melspec+tokens+trim`: and FlashAttention handed only the KV blocks each session's
+  window sees (`engine.vllm.window_trim`), switched the same way. A lever a configuration
+  does not name is off in its phases (the stock path runs with none).
 Front ends 1…N start only if an `-xN` configuration is asked for. Each gets
 `--gpu-memory-utilization / engines` of the GPU (so measure one N per run: a `-x2` run
 next to `-x4` engines would have half the GPU's memory).
@@ -128,13 +131,17 @@ same run, same engines."""
 TOKENS = "+tokens"
 """…with the engine cores' incremental token-history writes
 (engine.vllm.incremental_token_writes), switched per phase the same way."""
-LEVERS = (MELSPEC, TOKENS)
+TRIM = "+trim"
+"""…with FlashAttention handed only the blocks each window sees (engine.vllm.window_trim),
+switched per phase the same way."""
+LEVERS = (MELSPEC, TOKENS, TRIM)
 CONFIGS = ("stock", *_PROJECT,
-           *(f"{c}{s}" for c in _PROJECT for s in (MELSPEC, TOKENS, MELSPEC + TOKENS)))
+           *(f"{c}{s}" for c in _PROJECT
+             for s in (MELSPEC, TOKENS, MELSPEC + TOKENS, MELSPEC + TOKENS + TRIM)))
 
 
 def base_of(config: str) -> str:
-    """The configuration without its engine-core levers (`+melspec`, `+tokens`)."""
+    """The configuration without its engine-core levers (`+melspec`, `+tokens`, `+trim`)."""
     while True:
         lever = next((x for x in LEVERS if config.endswith(x)), None)
         if lever is None:
@@ -550,11 +557,15 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         # every phase says which spectrogram and token writes its engine core runs
         melspec = await switch_lever(backend, "set_melspec", bool(cmd.get("melspec")))
         tokens = await switch_lever(backend, "set_token_writes", bool(cmd.get("tokens")))
+        trim = await switch_lever(backend, "set_window_trim", bool(cmd.get("trim")))
         if cmd.get("melspec") and not melspec.get("on"):
             conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
             continue
         if cmd.get("tokens") and not tokens.get("on"):
             conn.send({"error": f"incremental token writes refused: {tokens.get('why_not')}"})
+            continue
+        if cmd.get("trim") and not trim.get("on"):
+            conn.send({"error": f"window-trimmed attention refused: {trim.get('why_not')}"})
             continue
         if path == "stock":
             starter: Callable[[int], Awaitable[Handle]] = theirs
@@ -613,6 +624,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
+            result["window_trim"] = bool(trim.get("on"))
             conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -677,11 +689,11 @@ class FrontEnd:
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
                     profile: str | None = None, melspec: bool = False,
-                    tokens: bool = False) -> dict[str, Any]:
+                    tokens: bool = False, trim: bool = False) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
-                        "melspec": melspec, "tokens": tokens})
+                        "melspec": melspec, "tokens": tokens, "trim": trim})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
@@ -892,7 +904,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     answers = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
                         str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
-                        melspec=MELSPEC in config, tokens=TOKENS in config)
+                        melspec=MELSPEC in config, tokens=TOKENS in config,
+                        trim=TRIM in config)
         for (f, p), k, first in zip(parts, share, firsts, strict=True)),
         return_exceptions=True)
     stop.set()
@@ -923,6 +936,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "feed": feed,
         "melspec_sync_free": all(r.get("melspec") for r in results),
         "token_writes_incremental": all(r.get("token_writes") for r in results),
+        "window_trim": all(r.get("window_trim") for r in results),
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
         **({"gpu_profile": await asyncio.to_thread(gpu_profiles, {
             f"fe{f}": r.get("gpu_trace") for (f, _), r in zip(parts, results, strict=True)})}

@@ -219,6 +219,13 @@ class VllmConfig(_Strict):
                     "switched on only where a check on the GPU leaves the rows as vLLM's "
                     "writes would. On the H200 it took 56 sessions aged 30 min from 0 % to "
                     "100 % real time on two engines (bench.voxtral_capacity +tokens, README)")
+    window_trim: bool = Field(
+        default=True,
+        description="hand FlashAttention only the KV blocks each session's sliding window "
+                    "can see (vLLM 0.26 hands it an aged session's whole position range, "
+                    "and a slid window costs FA3 more); switched on only where a check on "
+                    "the GPU finds the trimmed call as accurate as vLLM's "
+                    "(bench.voxtral_capacity +trim, bench.fa_kernels --trim, README)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

@@ -14,6 +14,7 @@
 #   A/B on the same engines: CONFIGS="project-direct-x2+melspec project-direct-x2+melspec+tokens")
 #   GPUS=2 EPG=2 LADDER="32 48 64" bash .stage/extra/run_gpu.sh gpus   # bench.voxtral_gpus (x2 kind)
 #   bash .stage/extra/run_gpu.sh fa                 # bench.fa_kernels (attention kernels alone)
+#   FA_ARGS="--trim --batches 14 28" bash .stage/extra/run_gpu.sh fa   # vLLM's call vs trimmed
 #   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)
 #   WORKERS="1 6" bash .stage/extra/run_gpu.sh delivery   # bench.delivery, 200 x 2000
 #   (.stage/extra also holds PyJWT, rich and its deps for the gateway the delivery bench
@@ -68,8 +69,8 @@ gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the r
   tail -c 6000 "$OUT/gpus.json"; echo; grep -E '^\{"gpus"|Error|Traceback' "$OUT/gpus.log" | tail -20
   ;;
 fa)    # bench.fa_kernels: FlashAttention GPU time at Voxtral's shapes, splits and KV types
-  timeout ${LIMIT:-300} python3 -m bench.fa_kernels > "$OUT/fa.json" 2> "$OUT/fa.log"; echo rc=$?
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d['best'],indent=0)); print(json.dumps(d['kernels'],indent=0))" "$OUT/fa.json"; tail -3 "$OUT/fa.log"
+  timeout ${LIMIT:-300} python3 -m bench.fa_kernels ${FA_ARGS:-} > "$OUT/fa.json" 2> "$OUT/fa.log"; echo rc=$?
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, json.dumps(d[k],indent=0)) for k in ('trim','best','kernels') if k in d]" "$OUT/fa.json"; tail -3 "$OUT/fa.log"
   ;;
 vad)
   timeout 300 python3 -m bench.vad --json --streams "${STREAMS:-40}" > "$OUT/vad.json" 2> "$OUT/vad.log"; echo rc=$?

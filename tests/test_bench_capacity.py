@@ -93,6 +93,14 @@ def test_the_token_writes_lever_runs_alone_or_with_the_spectrogram() -> None:
     assert capacity.base_of("project+tokens+melspec") == "project"
 
 
+def test_the_window_trim_lever_runs_with_the_other_two() -> None:
+    """`+melspec+tokens+trim` adds window-trimmed attention on the same engines."""
+    c = "project-direct-x2+melspec+tokens+trim"
+    assert c in capacity.CONFIGS and "stock+trim" not in capacity.CONFIGS
+    assert capacity.base_of(c) == "project-direct-x2"
+    assert plan(c) == plan("project-direct-x2") and engines_of(c) == 2
+
+
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
     assert plan("stock", shared=True) == [(1, "stock")]
     assert plan("project-direct", shared=True) == [(1, "direct")]

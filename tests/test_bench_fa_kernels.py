@@ -36,3 +36,15 @@ def test_without_cuda_and_vllm_it_says_so_and_exits_2() -> None:
                           text=True, timeout=120)
     assert done.returncode == 2
     assert "needs" in json.loads(done.stdout)["error"]
+
+
+def test_trim_summary_sets_vllms_call_against_the_trimmed_one_per_shape() -> None:
+    from bench.fa_kernels import trim_summary
+
+    rows = [{**row(0, 180.0, context=12288), "variant": "full", "max_err_vs_fp32": 0.004},
+            {**row(0, 120.0, context=12288), "variant": "trimmed", "max_err_vs_fp32": 0.005},
+            {**row(0, 99.0), "variant": "full"},  # no trimmed twin: no line
+            row(0, 50.0)]  # a plain row (no variant) is not part of the A/B
+    assert trim_summary(rows) == {"decoder fp8 b14 ctx12288 q1": {
+        "full_us": 180.0, "trimmed_us": 120.0, "speedup": 1.5, "err_full": 0.004,
+        "err_trimmed": 0.005}}

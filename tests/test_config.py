@@ -328,6 +328,7 @@ def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     assert kw["max_model_len"] == 16384
     assert opts.sync_free_melspec is True  # measured: README
     assert opts.incremental_token_writes is True  # measured: README
+    assert opts.window_trim is True
 
 
 def test_vllm_delay_in_yaml_is_refused_with_where_it_comes_from(tmp_path: Path) -> None:

@@ -192,7 +192,7 @@ def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
     # health says which input path and which spectrogram the engine runs
     described = engine_with(FakeVllmBackend(), direct_input="on").describe()
     assert described["engine_input"] == "direct" and described["engine_melspec"] == "vllm"
-    assert described["engine_token_writes"] == "vllm"
+    assert described["engine_token_writes"] == "vllm" and described["engine_attention"] == "vllm"
 
 
 def test_stamps_come_from_the_output_index_not_from_arrival() -> None:

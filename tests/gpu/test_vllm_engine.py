@@ -478,3 +478,46 @@ def test_incremental_token_writes_decode_what_vllms_writes_decode(
     assert got["with"] == got["before"], REPORT["token_writes"]
     counts = got["counts"]
     assert counts and counts["asked"] > 20 * counts["staged"], counts
+
+
+def test_window_trimmed_attention_decodes_what_vllms_decodes(
+    engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
+) -> None:
+    """engine.vllm.window_trim (on by default, so the engine here starts with it): the
+    engine core checks FA3's trimmed call against a float32 reference before it switches;
+    then one request that runs far past both windows (the decoder's 256 positions, the
+    encoder's 750 frames) decodes, fed the same audio and tokens, with it and without it
+    (off, on, off). Until the first block leaves a window the metadata is vLLM's own, so
+    the outputs must be identical; after it, FA3 may group the same keys into other tiles
+    and round differently, so a near tie may tip (as with re-anchoring's exactness test)."""
+    assert engine.describe()["engine_attention"] == "window-trimmed", engine.window_trim
+    pcm = speech()
+    backend: Any = engine.backend
+    frames = MAX_MODEL_LEN - 120
+
+    async def run() -> dict[str, Any]:
+        await backend.set_window_trim(False)  # the engine starts with it on (the default)
+        before = await teacher_forced(backend, pcm, frames, "trim-off-1", None)
+        on = await backend.set_window_trim(True)
+        with_it = await teacher_forced(backend, pcm, frames, "trim-on", None)
+        off = await backend.set_window_trim(False)
+        after = await teacher_forced(backend, pcm, frames, "trim-off-2", None)
+        await backend.set_window_trim(True)  # the default again, for the tests after this one
+        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
+                "after": after}
+
+    got = loop.run_until_complete(run())
+    # The earliest a block can leave a window: the encoder's, at 205 positions (blocks of
+    # at least 64 frames in the kernel's units, 4 frames per position, 4 query frames:
+    # 4 * 205 - 4 - 749 >= 64); output k is computed over 40 + k positions.
+    untouched = 205 - 40
+    same = sum(x == y for x, y in zip(got["with"], got["before"], strict=True))
+    REPORT["window_trim"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
+                             "same": same, "untouched": untouched,
+                             "deterministic": got["before"] == got["after"]}
+    assert got["switch_on"] == {"on": True, "why_not": None}, got["switch_on"]
+    assert got["switch_off"]["on"] is False
+    assert len(got["before"]) >= frames - 10
+    assert got["before"] == got["after"], REPORT["window_trim"]
+    assert got["with"][:untouched] == got["before"][:untouched], REPORT["window_trim"]
+    assert same >= 0.9 * len(got["before"]), REPORT["window_trim"]

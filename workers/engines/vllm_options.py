@@ -78,6 +78,12 @@ class VllmEngineOptions:
     30 min 0 % real time without it, 100 % with it, and 72 aged 100 % with it; vLLM's
     writes fell from 26-31 % of the engine cores' samples to 5-6 % (bench.voxtral_capacity
     `+tokens`, README)."""
+    window_trim: bool = True
+    """Hand FlashAttention only the KV blocks each session's sliding window can see
+    (engine core, vllm_reanchor/window_trim.py; needs the plugin worker; switched on only
+    where a check on the GPU finds the trimmed call as accurate as vLLM's). vLLM 0.26 hands
+    it an aged session's whole position range, and a slid window costs FA3 more than the
+    same keys read from the start (bench.fa_kernels)."""
     torch_profiler_dir: str | None = None
     """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
     writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`

@@ -128,8 +128,8 @@ def _log_lever(name: str, answer: dict[str, Any]) -> None:
 
 async def switch_lever(backend: Any, setter: str, on: bool) -> dict[str, Any]:
     """Switch an engine-core lever through `backend.<setter>(on)` (`set_melspec`,
-    `set_token_writes`); a backend without it, or a switch that fails, leaves vLLM's own
-    way on and says why."""
+    `set_token_writes`, `set_window_trim`); a backend without it, or a switch that fails,
+    leaves vLLM's own way on and says why."""
     try:
         return dict(await getattr(backend, setter)(on))
     except Exception as exc:
@@ -196,6 +196,11 @@ class _AsyncLLMBackend:
         """A streaming session's token history staged once instead of at every chunk, or
         vLLM's whole-history writes (vllm_reanchor/token_writes.py)."""
         return await self._plugin_switch("babelcast_token_writes", on)
+
+    async def set_window_trim(self, on: bool) -> dict[str, Any]:
+        """FlashAttention handed only the KV blocks each session's window sees, or vLLM's
+        whole position range (vllm_reanchor/window_trim.py)."""
+        return await self._plugin_switch("babelcast_window_trim", on)
 
     async def _plugin_switch(self, method: str, on: bool) -> dict[str, Any]:
         """Only the plugin worker has the engine-core levers."""
@@ -288,6 +293,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.kv_sessions: int | None = None  # aged sessions the KV cache holds (probe)
         self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.token_writes: dict[str, Any] = {"on": False, "why_not": "not asked"}
+        self.window_trim: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.reanchor_counts: dict[str, Any] = {}
         self._shifts: dict[str, int] = {}  # our request id → positions shifted so far
         self._stats_task: asyncio.Task[None] | None = None
@@ -334,6 +340,9 @@ class VllmVoxtralEngine(SpeechEngine):
         if self.options.incremental_token_writes:
             self.token_writes = await switch_lever(real, "set_token_writes", True)
             _log_lever("incremental token writes", self.token_writes)
+        if self.options.window_trim:
+            self.window_trim = await switch_lever(real, "set_window_trim", True)
+            _log_lever("window-trimmed attention", self.window_trim)
         self._start_stats()
 
     def _fits(self) -> bool:
@@ -408,6 +417,7 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_input": "direct" if self.direct_input else "renderer",
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
+                "engine_attention": "window-trimmed" if self.window_trim.get("on") else "vllm",
                 **({"engine_kv_sessions": str(self.kv_sessions)}
                    if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}

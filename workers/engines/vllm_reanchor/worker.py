@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from workers.engines.vllm_reanchor import melspec, token_writes
+from workers.engines.vllm_reanchor import melspec, token_writes, window_trim
 from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
 from workers.engines.vllm_reanchor.rope import RopeStyle, unrotate_blocks_
 from workers.engines.vllm_reanchor.scheduler import FAILURES_ATTR, REANCHORS_ATTR
@@ -149,6 +149,19 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         """A streaming session's token history staged once, not at every chunk
         (token_writes.py)."""
         return _lever(lambda: token_writes.switch(self.model_runner, bool(on)))
+
+    def babelcast_window_trim(self, on: bool) -> dict[str, Any]:
+        """FlashAttention handed only the blocks each session's window sees
+        (window_trim.py)."""
+        return _lever(lambda: window_trim.switch(bool(on), self.device, self._bc_kv_dtype()))
+
+    def _bc_kv_dtype(self) -> torch.dtype:
+        cache = str(self.vllm_config.cache_config.cache_dtype)
+        if cache.startswith("fp8"):
+            from vllm.platforms import current_platform
+
+            return current_platform.fp8_dtype()  # type: ignore[no-any-return]
+        return torch.bfloat16
 
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
         return {"reanchors": self._bc_counts()["reanchors"],
