@@ -221,9 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "needs a CUDA GPU"}))
         return 2
     if args.trim:
+        from workers.engines.vllm_reanchor import window_trim
+
+        # the engine core's own check before it switches the lever on (None: passes)
+        checks = {kv: window_trim.check("cuda", dtype) for kv, dtype in
+                  (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn))}
         trimmed = _trim_rows(torch, fa, args)
         print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                          "iters": args.iters, "repeats": args.repeats,
+                          "iters": args.iters, "repeats": args.repeats, "check": checks,
                           "trim": trim_summary(trimmed), "rows": trimmed}, indent=1))
         return 0
     rows: list[dict[str, Any]] = []

@@ -70,7 +70,7 @@ gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the r
   ;;
 fa)    # bench.fa_kernels: FlashAttention GPU time at Voxtral's shapes, splits and KV types
   timeout ${LIMIT:-300} python3 -m bench.fa_kernels ${FA_ARGS:-} > "$OUT/fa.json" 2> "$OUT/fa.log"; echo rc=$?
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, json.dumps(d[k],indent=0)) for k in ('trim','best','kernels') if k in d]" "$OUT/fa.json"; tail -3 "$OUT/fa.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print(k, json.dumps(d[k],indent=0)) for k in ('check','trim','best','kernels') if k in d]" "$OUT/fa.json"; tail -3 "$OUT/fa.log"
   ;;
 vad)
   timeout 300 python3 -m bench.vad --json --streams "${STREAMS:-40}" > "$OUT/vad.json" 2> "$OUT/vad.log"; echo rc=$?
