@@ -224,8 +224,9 @@ class VllmConfig(_Strict):
         description="hand FlashAttention only the KV blocks each session's sliding window "
                     "can see (vLLM 0.26 hands it an aged session's whole position range, "
                     "and a slid window costs FA3 more); switched on only where a check on "
-                    "the GPU finds the trimmed call as accurate as vLLM's "
-                    "(bench.voxtral_capacity +trim, bench.fa_kernels --trim, README)")
+                    "the GPU finds the trimmed call as accurate as vLLM's. On the H200 it "
+                    "took 88 sessions aged 30 min from 0 % to 96.6 % real time on two "
+                    "engines, fp8, in one run (bench.voxtral_capacity +trim, README)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

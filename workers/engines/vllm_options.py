@@ -82,8 +82,11 @@ class VllmEngineOptions:
     """Hand FlashAttention only the KV blocks each session's sliding window can see
     (engine core, vllm_reanchor/window_trim.py; needs the plugin worker; switched on only
     where a check on the GPU finds the trimmed call as accurate as vLLM's). vLLM 0.26 hands
-    it an aged session's whole position range, and a slid window costs FA3 more than the
-    same keys read from the start (bench.fa_kernels)."""
+    it an aged session's whole position range. On the H200, fp8 KV: an aged decoder layer
+    1.13-1.24 × faster, the encoder's 1.12-1.14 × (bench.fa_kernels --trim); two engines,
+    production feed, 88 sessions aged 30 min: 0 % → 96.6 % real time in one run (11.72 →
+    12.08 frames/s), 8.65 → 11.22 frames/s in the next (bench.voxtral_capacity +trim,
+    README)."""
     torch_profiler_dir: str | None = None
     """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
     writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`

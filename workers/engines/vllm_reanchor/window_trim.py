@@ -3,10 +3,12 @@
 vLLM 0.26 hands FA3, for a sliding-window KV cache group, each request's whole position
 range: `seqused_k` is the session's length and its block table starts at position 0, the
 blocks that have left the window replaced by the null block. FA3 bounds each thread
-block's keys by the window, so the result is right, but a window that has slid costs more
-than the same keys read from the start (bench.fa_kernels, H200, fp8, 14 sessions: 99.8 µs a
-decoder layer at 8,192 positions, 181 µs at 12,288), and Voxtral's encoder, whose 750-key
-window sits at 4 × the decoder's position, took a third of the aged steps' attention time.
+block's keys by the window, so the result is right, but the cost grows with the positions
+before the window (bench.fa_kernels, H200, fp8, 14 sessions: 145 µs a decoder layer at
+8,193 positions, 179 µs at 12,288), and Voxtral's encoder, whose 750-frame window sits at
+4 × the decoder's position, took about a third of the aged steps' attention time.
+Trimmed, the same calls took 145 µs at 12,288 and the encoder's 67 µs instead of 76
+(`bench.fa_kernels --trim`; README has the table and the engine A/B).
 
 `trim()` gives each request the table from the first block any of its query tokens can see
 and its length less the positions dropped. FA3 aligns the window to the end of the keys
