@@ -94,10 +94,12 @@ class StandInBuilder:
     """FlashAttentionMetadataBuilder's build (metadata from the common metadata, as read)
     and update_block_table (a copy with another table)."""
 
-    def __init__(self, window: int | None, block: int, dcp: int = 1) -> None:
+    def __init__(self, window: int | None, block: int, dcp: int = 1,
+                 full_graphs: bool = False) -> None:
         self.kv_cache_spec = SimpleNamespace(block_size=block, sliding_window=window)
         self.dcp_world_size = dcp
         self.rswa_window = None
+        self.use_full_cuda_graph = full_graphs
 
     def build(self, common_prefix_len: int, common_attn_metadata: Common,
               fast_build: bool = False) -> Any:
@@ -124,10 +126,12 @@ def test_the_build_wrapper_trims_sliding_window_groups_only() -> None:
     assert torch.equal(slid.block_table[0, :7], cm.block_table_tensor[0, 12:19])
     assert slid.max_seq_len == 1 + 99 + 15  # not the untrimmed 300: no GPU sync needed
     assert getattr(slid, wt.TRIM_ATTR).tolist() == [12, 0]
-    # full attention, a cascade prefix, decode context parallelism: vLLM's metadata
+    # full attention, a cascade prefix, decode context parallelism, full CUDA graphs:
+    # vLLM's metadata
     for builder, prefix in ((StandInBuilder(window=None, block=16), 0),
                             (StandInBuilder(window=100, block=16), 32),
-                            (StandInBuilder(window=100, block=16, dcp=2), 0)):
+                            (StandInBuilder(window=100, block=16, dcp=2), 0),
+                            (StandInBuilder(window=100, block=16, full_graphs=True), 0)):
         same = build(builder, prefix, cm)
         assert same.seq_lens is cm.seq_lens and not hasattr(same, wt.TRIM_ATTR)
 

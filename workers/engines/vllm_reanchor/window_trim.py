@@ -21,9 +21,9 @@ holds the trimmed call to the accuracy of vLLM's own call against a float32 refe
 `switch(True)` wraps `FlashAttentionMetadataBuilder.build` (and `update_block_table`, which
 swaps a built table for another group's) in this process, the engine core: groups with a
 sliding window get trimmed metadata; full-attention groups, cascade prefixes, decode
-context parallelism and R-SWA prefixes are left as vLLM builds them. `switch(False)` puts
-vLLM's methods back. Used by the engine-core worker (`worker.ReanchorWorker
-.babelcast_window_trim`).
+context parallelism, R-SWA prefixes and full CUDA graphs are left as vLLM builds them.
+`switch(False)` puts vLLM's methods back. Used by the engine-core worker
+(`worker.ReanchorWorker.babelcast_window_trim`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def first_blocks(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, left: in
 def trim(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_table: torch.Tensor,
          left: int, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(trimmed lengths, trimmed table, dropped blocks per request). The table keeps its
-    width; the columns past a request's new end repeat its last entry (FA reads none)."""
+    width; the columns shifted in at the end repeat the table's last column (FA reads
+    none of them: they lie past the request's new length)."""
     first = first_blocks(seq_lens, query_start_loc, left, block)
     return seq_lens - first * block, shift_table(block_table, first), first
 
@@ -126,6 +127,8 @@ def _window_of(builder: Any, cm: Any, common_prefix_len: int) -> tuple[int, int]
         return None
     if getattr(builder, "dcp_world_size", 1) != 1 or getattr(builder, "rswa_window", None):
         return None
+    if getattr(builder, "use_full_cuda_graph", False):  # its tensors must stay put; Voxtral
+        return None  # runs PIECEWISE graphs, attention outside them
     if getattr(cm, "mm_req_doc_ranges", None) is not None:
         return None
     return int(window) - 1, int(spec.block_size)
