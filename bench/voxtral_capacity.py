@@ -396,7 +396,16 @@ async def until_first_sessions_aged(opened: dict[str, list[Any]], streams: int,
 
 
 # ---- one front end (a process of its own) -------------------------------------------
+def stdout_to_stderr() -> None:
+    """Send this process's stdout, and its children's, to stderr. A front end's vLLM (and
+    its engine-core process) logs to stdout, and the front ends share the bench's, so its
+    `--json` output began with a hundred log lines and was no JSON (H200, 2026-12-02)."""
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+
 def _front_end(conn: Connection, options: VllmEngineOptions) -> None:
+    stdout_to_stderr()
     asyncio.run(_front_end_async(conn, options))
 
 

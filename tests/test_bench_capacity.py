@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -466,3 +468,16 @@ def test_a_stock_path_that_misses_the_first_level_still_gives_a_floor_for_the_ra
     assert capacity.knee_ratios_at_least(found, [64, 96, 128]) == {"project-direct-x2": 2.0}
     # without stock in the run there is nothing to compare with
     assert capacity.knee_ratios_at_least({"project": 96}, [96]) == {"project": None}
+
+
+def test_a_front_end_process_writes_nothing_to_the_benchs_stdout() -> None:
+    """The bench's stdout is its JSON: a front end's logs (its own and its children's,
+    such as vLLM's engine core) go to stderr."""
+    code = ("import os; from bench.voxtral_capacity import stdout_to_stderr; "
+            "print('before'); stdout_to_stderr(); print('python log'); "
+            "os.system('echo child process log')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "before\n"
+    assert "python log" in done.stderr and "child process log" in done.stderr
