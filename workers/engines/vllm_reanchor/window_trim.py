@@ -151,7 +151,6 @@ def _trimming_build(original: Callable[..., Any]) -> Callable[..., Any]:
         setattr(metadata, TRIM_ATTR, first)
         return metadata
 
-    build.__babelcast__ = True  # type: ignore[attr-defined]
     return build
 
 
@@ -164,7 +163,6 @@ def _trimming_update(original: Callable[..., Any]) -> Callable[..., Any]:
             new.block_table = shift_table(blk_table, first)
         return new
 
-    update_block_table.__babelcast__ = True  # type: ignore[attr-defined]
     return update_block_table
 
 
