@@ -18,7 +18,7 @@ import importlib.util
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,26 @@ async def teacher_forced(backend: Any, pcm: bytes, frames: int, rid: str,
             out.append(o.outputs[0].token_ids[-1])
             tokens.put_nowait([32])
     return out
+
+
+async def off_on_off(backend: Any, setter: str, pcm: bytes, frames: int, tag: str,
+                     between: Callable[[], Awaitable[dict[str, Any]]] | None = None
+                     ) -> dict[str, Any]:
+    """An engine-core lever (on by default, so the engine starts with it) switched off, on,
+    off through `backend.<setter>`, one teacher-forced request each time (the two offs show
+    the run is deterministic), then on again for the tests after; `between` runs after the
+    request with the lever on and adds its answer."""
+    switch = getattr(backend, setter)
+    await switch(False)
+    before = await teacher_forced(backend, pcm, frames, f"{tag}-off-1", None)
+    on = await switch(True)
+    with_it = await teacher_forced(backend, pcm, frames, f"{tag}-on", None)
+    extra = await between() if between is not None else {}
+    off = await switch(False)
+    after = await teacher_forced(backend, pcm, frames, f"{tag}-off-2", None)
+    await switch(True)
+    return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
+            "after": after, **extra}
 
 
 async def drain(session: Any, sink: list[Any]) -> None:
@@ -420,18 +440,7 @@ def test_the_sync_free_spectrogram_decodes_what_vllms_decodes(
     backend: Any = engine.backend
     frames = 150
 
-    async def run() -> dict[str, Any]:
-        await backend.set_melspec(False)  # the engine starts with it on (the default)
-        before = await teacher_forced(backend, pcm, frames, "mel-off-1", None)
-        on = await backend.set_melspec(True)
-        with_it = await teacher_forced(backend, pcm, frames, "mel-on", None)
-        off = await backend.set_melspec(False)
-        after = await teacher_forced(backend, pcm, frames, "mel-off-2", None)
-        await backend.set_melspec(True)  # the default again, for the tests after this one
-        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
-                "after": after}
-
-    got = loop.run_until_complete(run())
+    got = loop.run_until_complete(off_on_off(backend, "set_melspec", pcm, frames, "mel"))
     REPORT["melspec"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
                          "equal": got["with"] == got["before"],
                          "deterministic": got["before"] == got["after"]}
@@ -455,19 +464,12 @@ def test_incremental_token_writes_decode_what_vllms_writes_decode(
     backend: Any = engine.backend
     frames = 400
 
-    async def run() -> dict[str, Any]:
-        await backend.set_token_writes(False)  # the engine starts with it on (the default)
-        before = await teacher_forced(backend, pcm, frames, "tok-off-1", None)
-        on = await backend.set_token_writes(True)
-        with_it = await teacher_forced(backend, pcm, frames, "tok-on", None)
+    async def staged_counts() -> dict[str, Any]:
         stats = await backend.reanchor_stats()
-        off = await backend.set_token_writes(False)
-        after = await teacher_forced(backend, pcm, frames, "tok-off-2", None)
-        await backend.set_token_writes(True)  # the default again, for the tests after this one
-        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
-                "after": after, "counts": stats.get("token_writes")}
+        return {"counts": stats.get("token_writes")}
 
-    got = loop.run_until_complete(run())
+    got = loop.run_until_complete(off_on_off(backend, "set_token_writes", pcm, frames, "tok",
+                                             between=staged_counts))
     REPORT["token_writes"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
                               "counts": got["counts"], "equal": got["with"] == got["before"],
                               "deterministic": got["before"] == got["after"]}
@@ -495,18 +497,7 @@ def test_window_trimmed_attention_decodes_what_vllms_decodes(
     backend: Any = engine.backend
     frames = MAX_MODEL_LEN - 120
 
-    async def run() -> dict[str, Any]:
-        await backend.set_window_trim(False)  # the engine starts with it on (the default)
-        before = await teacher_forced(backend, pcm, frames, "trim-off-1", None)
-        on = await backend.set_window_trim(True)
-        with_it = await teacher_forced(backend, pcm, frames, "trim-on", None)
-        off = await backend.set_window_trim(False)
-        after = await teacher_forced(backend, pcm, frames, "trim-off-2", None)
-        await backend.set_window_trim(True)  # the default again, for the tests after this one
-        return {"switch_on": on, "switch_off": off, "before": before, "with": with_it,
-                "after": after}
-
-    got = loop.run_until_complete(run())
+    got = loop.run_until_complete(off_on_off(backend, "set_window_trim", pcm, frames, "trim"))
     # The earliest a block can leave a window: the encoder's, at 205 positions (blocks of
     # at least 64 frames in the kernel's units, 4 frames per position, 4 query frames:
     # 4 * 205 - 4 - 749 >= 64); output k is computed over 40 + k positions.
