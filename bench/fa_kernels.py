@@ -67,7 +67,8 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
           variant: str | None = None) -> dict[str, Any]:
     """One shape's GPU time per call. `variant` None: every block a real one (the first
     runs); "full": out-of-window blocks null, as vLLM passes them; "trimmed": the tables
-    and lengths window_trim makes. The last two also report their error."""
+    and lengths window_trim's "blocks" mode makes; "keys": vLLM's tables and lengths with
+    FA3's leftpad_k, as its "keys" mode calls FA3. All but None report their error."""
     dev = "cuda"
     hq, hk, d, block = shape["heads_q"], shape["heads_kv"], shape["head_dim"], shape["block"]
     blocks_per_seq = -(-context // block)
@@ -87,9 +88,9 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
     cu_q = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
     seqused = torch.full((batch,), context, device=dev, dtype=torch.int32)
     max_k = context
-    if variant is not None:
-        from workers.engines.vllm_reanchor import window_trim
+    from workers.engines.vllm_reanchor import window_trim
 
+    if variant is not None:
         full_table, full_seq = table, seqused
         if variant == "trimmed":
             seqused, table, _ = window_trim.trim(seqused, cu_q, table, left, block)
@@ -102,7 +103,14 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
         one = torch.ones(batch, hk, device=dev, dtype=torch.float32)
         kwargs = {"q_descale": one, "k_descale": one, "v_descale": one}
 
+    pad = window_trim.leftpad(seqused, cu_q, left) if variant == "keys" else None
+
     def call() -> None:
+        if pad is not None:
+            window_trim.fa3_leftpad(q, k_cache, v_cache, out, cu_q, q_len, seqused, max_k,
+                                    d ** -0.5, True, [left, 0], table, pad,
+                                    num_splits=splits, **kwargs)
+            return
         fa.flash_attn_varlen_func(
             q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_q, max_seqlen_q=q_len,
             seqused_k=seqused, max_seqlen_k=max_k, softmax_scale=d ** -0.5, causal=True,
@@ -127,7 +135,7 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
     row = {"batch": batch, "context": context, "q_len": q_len, "kv": kv_dtype,
            "splits": splits, "us_per_call": round(us, 2),
            "kv_gb_per_s": round(bytes_read / (us * 1e-6) / 1e9, 1)}
-    if variant is not None:  # window_trim imported above, under the same condition
+    if variant is not None:
         ref = window_trim.reference(q.float(), k_cache, v_cache, cu_q[:3], full_seq[:2],
                                     full_table[:2], left, d ** -0.5)
         call()
@@ -168,7 +176,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def trim_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per shape: vLLM's call (full) against the trimmed one, same run."""
+    """Per shape: vLLM's call (full) against the block-trimmed one and the key-padded one,
+    same run."""
     by: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for r in rows:
         if "variant" in r:
@@ -178,10 +187,15 @@ def trim_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for shape, v in by.items():
         if "full" in v and "trimmed" in v:
             full, cut = v["full"], v["trimmed"]
-            out["{} {} b{} ctx{} q{}".format(*shape)] = {
+            row = out["{} {} b{} ctx{} q{}".format(*shape)] = {
                 "full_us": full["us_per_call"], "trimmed_us": cut["us_per_call"],
                 "speedup": round(full["us_per_call"] / cut["us_per_call"], 2),
                 "err_full": full.get("max_err_vs_fp32"), "err_trimmed": cut.get("max_err_vs_fp32")}
+            if "keys" in v:
+                keys = v["keys"]
+                row.update(keys_us=keys["us_per_call"],
+                           keys_speedup=round(full["us_per_call"] / keys["us_per_call"], 2),
+                           err_keys=keys.get("max_err_vs_fp32"))
     return out
 
 
@@ -193,7 +207,7 @@ def _trim_rows(torch: Any, fa: Any, args: argparse.Namespace) -> list[dict[str, 
                 for part, shape, q_len, k in (("decoder", DECODER, 1, 1),
                                               ("encoder", ENCODER_CALL, 4,
                                                ENCODER_PER_POSITION)):
-                    for variant in ("full", "trimmed"):
+                    for variant in ("full", "trimmed", "keys"):
                         rows.append({"part": part, **_case(
                             torch, fa, shape, batch, context * k, q_len, kv, 0,
                             args.iters, args.repeats, variant=variant)})
@@ -229,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         from workers.engines.vllm_reanchor import window_trim
 
         # the engine core's own check before it switches the lever on (None: passes)
-        checks = {kv: window_trim.check("cuda", dtype) for kv, dtype in
-                  (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn))}
+        checks = {f"{kv} {mode}": window_trim.check("cuda", dtype, mode) for kv, dtype in
+                  (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn))
+                  for mode in window_trim.MODES}
         trimmed = _trim_rows(torch, fa, args)
         print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                           "iters": args.iters, "repeats": args.repeats, "check": checks,

@@ -22,7 +22,9 @@ orchestrates, samples the GPU and adds up. Configurations:
 - `…+tokens`, `…+melspec+tokens`: the same with the engine cores' incremental token
   history writes (`engine.vllm.incremental_token_writes`), switched the same way.
 - `…+melspec+tokens+trim`: and FlashAttention handed only the KV blocks each session's
-  window sees (`engine.vllm.window_trim`), switched the same way. A lever a configuration
+  window sees (`engine.vllm.window_trim`'s "blocks" mode), switched the same way;
+  `…+melspec+tokens+keys`: only the keys it sees (its "keys" mode, FA3's `leftpad_k`,
+  the plain causal kernel for one-token queries). A lever a configuration
   does not name is off in its phases (the stock path runs with none).
 Front ends 1…N start only if an `-xN` configuration is asked for. Each gets
 `--gpu-memory-utilization / engines` of the GPU (so measure one N per run: a `-x2` run
@@ -132,12 +134,21 @@ TOKENS = "+tokens"
 """…with the engine cores' incremental token-history writes
 (engine.vllm.incremental_token_writes), switched per phase the same way."""
 TRIM = "+trim"
-"""…with FlashAttention handed only the blocks each window sees (engine.vllm.window_trim),
-switched per phase the same way."""
-LEVERS = (MELSPEC, TOKENS, TRIM)
+"""…with FlashAttention handed only the blocks each window sees (engine.vllm.window_trim
+"blocks"), switched per phase the same way."""
+KEYS = "+keys"
+"""…with FlashAttention handed only the keys each window sees (engine.vllm.window_trim
+"keys"), switched per phase the same way."""
+LEVERS = (MELSPEC, TOKENS, TRIM, KEYS)
 CONFIGS = ("stock", *_PROJECT,
            *(f"{c}{s}" for c in _PROJECT
-             for s in (MELSPEC, TOKENS, MELSPEC + TOKENS, MELSPEC + TOKENS + TRIM)))
+             for s in (MELSPEC, TOKENS, MELSPEC + TOKENS, MELSPEC + TOKENS + TRIM,
+                       MELSPEC + TOKENS + KEYS)))
+
+
+def trim_of(config: str) -> str | bool:
+    """The window_trim mode a configuration's phases run: "keys", "blocks" or off."""
+    return "keys" if KEYS in config else "blocks" if TRIM in config else False
 
 
 def base_of(config: str) -> str:
@@ -566,14 +577,14 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         # every phase says which spectrogram and token writes its engine core runs
         melspec = await switch_lever(backend, "set_melspec", bool(cmd.get("melspec")))
         tokens = await switch_lever(backend, "set_token_writes", bool(cmd.get("tokens")))
-        trim = await switch_lever(backend, "set_window_trim", bool(cmd.get("trim")))
+        trim = await switch_lever(backend, "set_window_trim", cmd.get("trim") or False)
         if cmd.get("melspec") and not melspec.get("on"):
             conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
             continue
         if cmd.get("tokens") and not tokens.get("on"):
             conn.send({"error": f"incremental token writes refused: {tokens.get('why_not')}"})
             continue
-        if cmd.get("trim") and not trim.get("on"):
+        if cmd.get("trim") and trim.get("mode") != cmd.get("trim"):
             conn.send({"error": f"window-trimmed attention refused: {trim.get('why_not')}"})
             continue
         if path == "stock":
@@ -633,7 +644,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
-            result["window_trim"] = bool(trim.get("on"))
+            result["window_trim"] = trim.get("mode") or False
             conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -698,7 +709,7 @@ class FrontEnd:
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
                     profile: str | None = None, melspec: bool = False,
-                    tokens: bool = False, trim: bool = False) -> dict[str, Any]:
+                    tokens: bool = False, trim: bool | str = False) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
@@ -914,7 +925,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
                         str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
                         melspec=MELSPEC in config, tokens=TOKENS in config,
-                        trim=TRIM in config)
+                        trim=trim_of(config))
         for (f, p), k, first in zip(parts, share, firsts, strict=True)),
         return_exceptions=True)
     stop.set()
@@ -945,7 +956,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "feed": feed,
         "melspec_sync_free": all(r.get("melspec") for r in results),
         "token_writes_incremental": all(r.get("token_writes") for r in results),
-        "window_trim": all(r.get("window_trim") for r in results),
+        "window_trim": (results[0].get("window_trim") or False
+                        if len({r.get("window_trim") for r in results}) == 1 else "mixed"),
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
         **({"gpu_profile": await asyncio.to_thread(gpu_profiles, {
             f"fe{f}": r.get("gpu_trace") for (f, _), r in zip(parts, results, strict=True)})}

@@ -101,6 +101,10 @@ def test_the_window_trim_lever_runs_with_the_other_two() -> None:
     assert c in capacity.CONFIGS and "stock+trim" not in capacity.CONFIGS
     assert capacity.base_of(c) == "project-direct-x2"
     assert plan(c) == plan("project-direct-x2") and engines_of(c) == 2
+    assert capacity.trim_of(c) == "blocks"
+    keys = "project-direct-x2+melspec+tokens+keys"
+    assert keys in capacity.CONFIGS and capacity.base_of(keys) == "project-direct-x2"
+    assert capacity.trim_of(keys) == "keys" and capacity.trim_of("project-direct-x2") is False
 
 
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:

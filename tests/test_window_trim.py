@@ -151,3 +151,89 @@ def test_a_table_swapped_in_later_is_trimmed_like_the_first() -> None:
     plain = update(builder, SimpleNamespace(seq_lens=cm.seq_lens, block_table=None), other, 0)
     assert plain.block_table is other  # untrimmed metadata keeps vLLM's swap
 
+
+
+# ---- the "keys" mode: FA3's leftpad_k ---------------------------------------------------
+@pytest.mark.parametrize(("left", "block", "q_len"), [(299, 16, 1), (749, 64, 4), (63, 64, 4),
+                                                     (8191, 128, 1), (40, 8, 1)])
+def test_padded_keys_attend_to_what_the_window_sees(left: int, block: int, q_len: int) -> None:
+    """Keys from the pad on, `max_seqlen_k` cut to the query plus the window: for one-token
+    queries FA3 then drops the window (the reference does as FA3 does), and the keys left
+    are exactly the window's."""
+    rng = random.Random(left + 1)
+    lens = [q_len, left, left + q_len, left + q_len + 1, left + q_len + block,
+            *(rng.randrange(q_len, 3 * (left + block)) for _ in range(5))]
+    c = paged_case(lens, q_len, block, seed=left)
+    pad = wt.leftpad(c["seq"], c["cu"], left)
+    assert pad.dtype == torch.int32 and int(pad.max()) > 0
+    assert pad.tolist() == [max(0, s - q_len - left) for s in lens]
+    bound = wt.keys_bound(max(lens), q_len, left)
+    assert bound == min(max(lens), q_len + left)
+    full = attend(c, c["seq"], c["table"], left)
+    padded = wt.reference(c["q"], c["k"], c["v"], c["cu"], c["seq"], c["table"], left, 0.25,
+                          pad=pad, max_seqlen_k=bound)
+    assert torch.allclose(full, padded, atol=1e-5, rtol=1e-5), (full - padded).abs().max()
+
+
+def test_with_the_window_dropped_one_key_fewer_of_pad_changes_the_answer() -> None:
+    """Tight, and the reason the pad must be exact: a one-token query whose window FA3
+    drops attends to every key from the pad on, so a pad one key short adds a key."""
+    left, block = 40, 8
+    c = paged_case([left + 1 + 19], 1, block)  # the window starts inside a block
+    pad = wt.leftpad(c["seq"], c["cu"], left)
+    assert pad.tolist() == [19]
+    bound = wt.keys_bound(int(c["seq"].max()), 1, left)
+    full = attend(c, c["seq"], c["table"], left)
+    short = wt.reference(c["q"], c["k"], c["v"], c["cu"], c["seq"], c["table"], left, 0.25,
+                         pad=pad - 1, max_seqlen_k=bound)
+    assert not torch.allclose(full, short, atol=1e-3)
+
+
+def test_the_keys_build_hands_a_padded_view_of_seq_lens_to_window_groups_only() -> None:
+    build = wt._padding_build(StandInBuilder.build)
+    cm = common([300, 20], 16)
+    slid = build(StandInBuilder(window=100, block=16), 0, cm)
+    assert getattr(slid.seq_lens, wt.PAD_ATTR).tolist() == [300 - 1 - 99, 0]
+    assert torch.equal(slid.seq_lens, cm.seq_lens)  # same lengths, same table, same bound
+    assert torch.equal(slid.block_table, cm.block_table_tensor)
+    assert slid.max_seq_len == 300
+    assert not hasattr(cm.seq_lens, wt.PAD_ATTR)  # the shared tensor is left alone
+    for builder, prefix in ((StandInBuilder(window=None, block=16), 0),
+                            (StandInBuilder(window=100, block=16), 32),
+                            (StandInBuilder(window=100, block=16, full_graphs=True), 0)):
+        assert not hasattr(build(builder, prefix, cm).seq_lens, wt.PAD_ATTR)
+
+
+def test_the_varlen_wrapper_pads_only_calls_whose_lengths_carry_a_pad(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST DOUBLES: `vllms` stands for vLLM's flash_attn_varlen_func and `op` for
+    fa3_leftpad (FA3's op needs CUDA); the test checks which call goes where."""
+    seen: dict[str, Any] = {}
+
+    def vllms(**kwargs: Any) -> str:
+        seen["vllm"] = kwargs
+        return "vllm"
+
+    def op(*args: Any) -> str:
+        seen["op"] = args
+        return "padded"
+
+    monkeypatch.setattr(wt, "fa3_leftpad", op)
+    wrapped = wt._padding_varlen(vllms)
+    seq = torch.tensor([300, 20], dtype=torch.int32)
+    call = {"q": "q", "k": "k", "v": "v", "out": "out", "cu_seqlens_q": "cu",
+            "max_seqlen_q": 1, "max_seqlen_k": 300, "softmax_scale": 0.1, "causal": True,
+            "window_size": [99, 0], "block_table": "table", "fa_version": 3,
+            "alibi_slopes": None, "dynamic_causal": None, "num_splits": 0, "s_aux": None}
+    before = dict(wt.CALLS)
+    assert wrapped(**call, seqused_k=seq) == "vllm"
+    padded = seq.view(-1)
+    setattr(padded, wt.PAD_ATTR, torch.tensor([200, 0], dtype=torch.int32))
+    assert wrapped(**call, seqused_k=padded) == "padded"
+    args = seen["op"]
+    assert args[6] is padded and args[7] == 300 and args[12] is getattr(padded, wt.PAD_ATTR)
+    assert wt.CALLS["keys"] == before["keys"] + 1 and wt.CALLS["vllm"] == before["vllm"] + 1
+    with pytest.raises(RuntimeError, match="alibi_slopes"):  # never silently unpadded
+        wrapped(**{**call, "alibi_slopes": torch.ones(2)}, seqused_k=padded)
+    with pytest.raises(RuntimeError, match="fa_version 2"):
+        wrapped(**{**call, "fa_version": 2}, seqused_k=padded)

@@ -138,16 +138,16 @@ async def teacher_forced(backend: Any, pcm: bytes, frames: int, rid: str,
 
 
 async def off_on_off(backend: Any, setter: str, pcm: bytes, frames: int, tag: str,
-                     between: Callable[[], Awaitable[dict[str, Any]]] | None = None
-                     ) -> dict[str, Any]:
-    """An engine-core lever (on by default, so the engine starts with it) switched off, on,
-    off through `backend.<setter>`, one teacher-forced request each time (the two offs show
-    the run is deterministic), then on again for the tests after; `between` runs after the
-    request with the lever on and adds its answer."""
+                     between: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                     on_value: bool | str = True) -> dict[str, Any]:
+    """An engine-core lever (on by default, so the engine starts with it) switched off, on
+    (`on_value`), off through `backend.<setter>`, one teacher-forced request each time (the
+    two offs show the run is deterministic), then on again (its default) for the tests
+    after; `between` runs after the request with the lever on and adds its answer."""
     switch = getattr(backend, setter)
     await switch(False)
     before = await teacher_forced(backend, pcm, frames, f"{tag}-off-1", None)
-    on = await switch(True)
+    on = await switch(on_value)
     with_it = await teacher_forced(backend, pcm, frames, f"{tag}-on", None)
     extra = await between() if between is not None else {}
     off = await switch(False)
@@ -482,33 +482,44 @@ def test_incremental_token_writes_decode_what_vllms_writes_decode(
     assert counts and counts["asked"] > 20 * counts["staged"], counts
 
 
+@pytest.mark.parametrize(("mode", "first_touched"), [("keys", 189), ("blocks", 205)])
 def test_window_trimmed_attention_decodes_what_vllms_decodes(
-    engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop
+    engine: VllmVoxtralEngine, loop: asyncio.AbstractEventLoop, mode: str, first_touched: int
 ) -> None:
-    """engine.vllm.window_trim (on by default, so the engine here starts with it): the
-    engine core checks FA3's trimmed call against a float32 reference before it switches;
-    then one request that runs far past both windows (the decoder's 256 positions, the
-    encoder's 750 frames) decodes, fed the same audio and tokens, with it and without it
-    (off, on, off). Until the first block leaves a window the metadata is vLLM's own, so
-    the outputs must be identical; after it, FA3 may group the same keys into other tiles
-    and round differently, so a near tie may tip (as with re-anchoring's exactness test)."""
-    assert engine.describe()["engine_attention"] == "window-trimmed", engine.window_trim
+    """engine.vllm.window_trim (on by default in its "keys" mode, so the engine here
+    starts with it): the engine core checks FA3's trimmed call against a float32 reference
+    before it switches; then one request that runs far past both windows (the decoder's
+    256 positions, the encoder's 750 frames) decodes, fed the same audio and tokens, with
+    each mode and without (off, on, off). Until a window first drops a key ("keys") or a
+    block ("blocks") the call is vLLM's own, so the outputs must be identical; after it,
+    FA3 reads the same keys with another kernel or tiling and may round differently, so a
+    near tie may tip (as with re-anchoring's exactness test)."""
+    assert engine.describe()["engine_attention"] == "window-keys", engine.window_trim
     pcm = speech()
     backend: Any = engine.backend
     frames = MAX_MODEL_LEN - 120
 
-    got = loop.run_until_complete(off_on_off(backend, "set_window_trim", pcm, frames, "trim"))
-    # The earliest a block can leave a window: the encoder's, at 205 positions (blocks of
-    # at least 64 frames in the kernel's units, 4 frames per position, 4 query frames:
-    # 4 * 205 - 4 - 749 >= 64); output k is computed over 40 + k positions.
-    untouched = 205 - 40
+    async def calls() -> dict[str, Any]:
+        (answer,) = await backend.llm.collective_rpc("babelcast_window_trim_calls")
+        return {"calls": dict(answer)}
+
+    got = loop.run_until_complete(off_on_off(backend, "set_window_trim", pcm, frames,
+                                             f"trim-{mode}", calls, on_value=mode))
+    # The earliest a window drops a key: the encoder's, at 189 positions (4 frames per
+    # position, 4 query frames: 4 * 189 - 4 - 749 >= 1); a whole block (at least 64 frames
+    # in the kernel's units) at 205 (4 * 205 - 4 - 749 >= 64). Output k is computed over
+    # 40 + k positions.
+    untouched = first_touched - 40
     same = sum(x == y for x, y in zip(got["with"], got["before"], strict=True))
-    REPORT["window_trim"] = {"switch_on": got["switch_on"], "outputs": len(got["with"]),
-                             "same": same, "untouched": untouched,
-                             "deterministic": got["before"] == got["after"]}
-    assert got["switch_on"] == {"on": True, "why_not": None}, got["switch_on"]
+    REPORT[f"window_trim_{mode}"] = report = {
+        "switch_on": got["switch_on"], "outputs": len(got["with"]), "same": same,
+        "untouched": untouched, "deterministic": got["before"] == got["after"],
+        "calls": got["calls"]}
+    assert got["switch_on"] == {"on": True, "mode": mode, "why_not": None}, report
     assert got["switch_off"]["on"] is False
+    if mode == "keys":  # the engine's attention calls went through FA3 with leftpad_k
+        assert got["calls"]["keys"] > 0, report
     assert len(got["before"]) >= frames - 10
-    assert got["before"] == got["after"], REPORT["window_trim"]
-    assert got["with"][:untouched] == got["before"][:untouched], REPORT["window_trim"]
-    assert same >= 0.9 * len(got["before"]), REPORT["window_trim"]
+    assert got["before"] == got["after"], report
+    assert got["with"][:untouched] == got["before"][:untouched], report
+    assert same >= 0.9 * len(got["before"]), report

@@ -126,7 +126,7 @@ def _log_lever(name: str, answer: dict[str, Any]) -> None:
              "on" if answer.get("on") else f"off ({answer.get('why_not')})")
 
 
-async def switch_lever(backend: Any, setter: str, on: bool) -> dict[str, Any]:
+async def switch_lever(backend: Any, setter: str, on: bool | str) -> dict[str, Any]:
     """Switch an engine-core lever through `backend.<setter>(on)` (`set_melspec`,
     `set_token_writes`, `set_window_trim`); a backend without it, or a switch that fails,
     leaves vLLM's own way on and says why."""
@@ -197,12 +197,13 @@ class _AsyncLLMBackend:
         vLLM's whole-history writes (vllm_reanchor/token_writes.py)."""
         return await self._plugin_switch("babelcast_token_writes", on)
 
-    async def set_window_trim(self, on: bool) -> dict[str, Any]:
-        """FlashAttention handed only the KV blocks each session's window sees, or vLLM's
-        whole position range (vllm_reanchor/window_trim.py)."""
+    async def set_window_trim(self, on: bool | str) -> dict[str, Any]:
+        """FlashAttention handed only the keys ("keys") or KV blocks ("blocks") each
+        session's window sees (True: the best its check allows), or vLLM's whole position
+        range (vllm_reanchor/window_trim.py)."""
         return await self._plugin_switch("babelcast_window_trim", on)
 
-    async def _plugin_switch(self, method: str, on: bool) -> dict[str, Any]:
+    async def _plugin_switch(self, method: str, on: bool | str) -> dict[str, Any]:
         """Only the plugin worker has the engine-core levers."""
         if not self.reanchor_requested:
             return {"on": False, "why_not": "the plugin worker is not loaded"}
@@ -342,7 +343,8 @@ class VllmVoxtralEngine(SpeechEngine):
             _log_lever("incremental token writes", self.token_writes)
         if self.options.window_trim:
             self.window_trim = await switch_lever(real, "set_window_trim", True)
-            _log_lever("window-trimmed attention", self.window_trim)
+            _log_lever(f"window-trimmed attention ({self.window_trim.get('mode')})",
+                       self.window_trim)
         self._start_stats()
 
     def _fits(self) -> bool:
@@ -417,7 +419,8 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_input": "direct" if self.direct_input else "renderer",
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
-                "engine_attention": "window-trimmed" if self.window_trim.get("on") else "vllm",
+                "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
+                                     if self.window_trim.get("on") else "vllm"),
                 **({"engine_kv_sessions": str(self.kv_sessions)}
                    if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}

@@ -150,10 +150,15 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         (token_writes.py)."""
         return _lever(lambda: token_writes.switch(self.model_runner, bool(on)))
 
-    def babelcast_window_trim(self, on: bool) -> dict[str, Any]:
-        """FlashAttention handed only the blocks each session's window sees
-        (window_trim.py)."""
-        return _lever(lambda: window_trim.switch(bool(on), self.device, self._bc_kv_dtype()))
+    def babelcast_window_trim(self, on: bool | str) -> dict[str, Any]:
+        """FlashAttention handed only the keys ("keys") or blocks ("blocks") each session's
+        window sees; True: the best that passes its check (window_trim.py)."""
+        mode = on if isinstance(on, str) else bool(on)
+        return _lever(lambda: window_trim.switch(mode, self.device, self._bc_kv_dtype()))
+
+    def babelcast_window_trim_calls(self) -> dict[str, int]:
+        """FlashAttention calls with a pad and without, since "keys" was switched on."""
+        return dict(window_trim.CALLS)
 
     def _bc_kv_dtype(self) -> torch.dtype:
         cache = str(self.vllm_config.cache_config.cache_dtype)
