@@ -45,6 +45,12 @@ sessions) and 311 → 252 at 16,000 (28); encoder 76 → 67 (14) and 126 → 111
 age. Within the window's first block past 8,192 (8,193) the two calls are the same call:
 that column is the run's A/A check (fp8 within 0.4 %; bf16 at 28 sessions 12 % apart, so
 bf16's 28-session rows are noise at that size).
+
+`--trim` also times the "keys" call (window_trim's "keys" mode: vLLM's tables and lengths
+with FA3's leftpad_k, so a one-token query runs FA3's plain causal kernel on exactly its
+window). First run (2026-12-02, `--contexts 8192 8193 12288 16000`): fp8 decoder at 14
+sessions 98.6-100.7 µs at every age (vLLM's 146-178, blocks 144-147 past 8,192), at 28
+180 (vLLM's 250-312, blocks 250-251); the encoder as blocks; errors as vLLM's.
 """
 from __future__ import annotations
 

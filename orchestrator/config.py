@@ -226,7 +226,11 @@ class VllmConfig(_Strict):
                     "and a slid window costs FA3 more); switched on only where a check on "
                     "the GPU finds the trimmed call as accurate as vLLM's. On the H200 it "
                     "took 88 sessions aged 30 min from 0 % to 96.6 % real time on two "
-                    "engines, fp8, in one run (bench.voxtral_capacity +trim, README)")
+                    "engines, fp8, in one run (bench.voxtral_capacity +trim, README). Its "
+                    "'keys' mode (FA3's leftpad_k; taken where its check passes) runs an "
+                    "aged decode step at the cost of 8,192 positions from the start: "
+                    "1.38-1.81x vLLM's call on an aged decoder layer, fp8 (bench.fa_kernels "
+                    "--trim)")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "

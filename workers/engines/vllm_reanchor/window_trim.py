@@ -42,6 +42,9 @@ Two ways to trim (`switch`'s mode):
   builder's view of `seq_lens`); every other call is vLLM's own. Pinned to the wrapper's
   and the op's signatures of vLLM 0.26 (`VARLEN_PARAMS`, `FA3_LEFTPAD_AT`).
 `switch(True)` takes `"keys"` where its check passes, else `"blocks"`, else neither.
+Measured (H200, fp8, 14 sessions, bench.fa_kernels --trim): an aged decoder layer 98.6-100.7
+µs with "keys" against 144-147 with "blocks" and 146-178 vLLM's; GPU tier: 914 of 914
+outputs as vLLM's call.
 """
 
 from __future__ import annotations
