@@ -56,6 +56,17 @@ Like production:
   step for 45 s. vLLM's
   stock path has no aged steady state (it cannot re-anchor; its sessions end at
   max_model_len), so it is measured on new sessions only.
+- `--aged-ab --ab-windows W`: configurations that differ only in their engine-core
+  levers (e.g. `…+trim` and `…+keys`) share one aged phase per level: the sessions age
+  once and are measured in W windows of `--seconds`, the levers switched between windows
+  in turn (A B A B …), all front ends starting their windows together; each
+  configuration's figures come from its own windows (and its GPU use from the samples in
+  them). Why: two runs on one host (2026-12-02) gave whichever aged phase ran second
+  ~0.5-1.1 frames/s more, as much as the levers differed, and every CPU figure of the
+  first phase (VAD helpers too, which no lever touches) up to 18 % higher. A lever
+  switched mid-phase leaves the backlog of the window before it: a window above real
+  time catches up, so its frames/s may read above 12.5; below real time it reads its
+  capacity. Not yet run on the H200.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -xN
   group, so N engines share the GPU's memory as `engines_per_gpu: N` would.
 - `--max-model-len 16384`: the engine's production default (re-anchoring keeps sessions
@@ -79,6 +90,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -120,6 +132,10 @@ AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
 AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
 each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
+SWITCH_SLACK_S = 1.0
+"""Feed time per in-phase A/B window beyond the window itself: the levers switch (an
+engine-core call between steps) before the window's clock starts, so the feed must last
+past the last window."""
 AGE_STALL_S = 45.0
 """Ageing in which no session got a step for this long is stuck (e.g. waiting for KV
 cache). Slow ageing that still moves goes on: four engines on one busy GPU aged 96
@@ -219,7 +235,9 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                  start: Callable[[int], Awaitable[Handle]], first: int = 0,
                  before: Callable[[], Awaitable[None]] | None = None,
                  profile: str | None = None,
-                 gpu_profile: Callable[[], Awaitable[str | None]] | None = None
+                 gpu_profile: Callable[[], Awaitable[str | None]] | None = None,
+                 segments: list[Callable[[], Awaitable[Any]]] | None = None,
+                 sync: Callable[[], Awaitable[None]] | None = None,
                  ) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
@@ -227,7 +245,14 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     file), py-spy records this process and its children over the measured window; with
     `gpu_profile` too, it runs over the window's last seconds (vLLM's torch profiler; it
     returns the trace's path, reported as `gpu_trace`), so that the engine core writes
-    the trace after the measured window, not in it."""
+    the trace after the measured window, not in it.
+
+    With `segments` (the in-phase A/B, `--aged-ab`): after the warm-up the measured
+    window is len(segments) windows of `seconds` each, the same sessions fed on; before
+    each, its callable runs (it switches the engine-core levers and returns what they
+    said), and each window reports its own frames per second, CPU and clock (`segments`
+    in the result). `sync()` is awaited after `before()` and before the clock starts (the
+    front ends of one GPU start their windows together)."""
     handles = [await start(first + i) for i in range(n)]
     t_age = time.monotonic()
     if before is not None:
@@ -237,10 +262,33 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             await asyncio.gather(*(h[2]() for h in handles), return_exceptions=True)
             raise
     aged_in_s = time.monotonic() - t_age
+    if sync is not None:
+        await sync()
     at_t0 = [h[1]() for h in handles]
     t0 = time.monotonic()
+    window_s = seconds
+    if segments:  # warm-up, the windows, and slack for the switches between them
+        seconds = WARM_S + len(segments) * (window_s + SWITCH_SLACK_S)
     frames = int(seconds / 0.08)
     marks: dict[str, Any] = {}
+    windows: list[dict[str, Any]] = []
+
+    async def measure_segments() -> None:
+        assert segments is not None
+        for switch in segments:
+            said = await switch()
+            counts, cpu, kids = [h[1]() for h in handles], time.process_time(), _children_cpu_s()
+            t = time.monotonic()
+            await asyncio.sleep(window_s)
+            elapsed = time.monotonic() - t
+            chunks = max(1, round(n * elapsed / 0.08))
+            kids_after = _children_cpu_s()
+            windows.append({
+                "said": said, "t0": t, "t1": t + elapsed,
+                "fps": [(h[1]() - c) / elapsed for h, c in zip(handles, counts, strict=True)],
+                "front_end_us_per_chunk": (time.process_time() - cpu) / chunks * 1e6,
+                "engine_core_us_per_chunk": (kids_after[0] - kids[0]) / chunks * 1e6,
+                "helpers_us_per_chunk": (kids_after[1] - kids[1]) / chunks * 1e6})
 
     async def pace(i: int) -> None:
         push = handles[i][0]
@@ -261,6 +309,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         if gpu_profile is not None:  # the window's last seconds: the trace is written after
             marks["gpu"] = asyncio.create_task(_after(
                 max(0.0, seconds - WARM_S - GPU_PROFILE_S - 0.5), gpu_profile))
+        if segments:
+            await measure_segments()
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
@@ -282,6 +332,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         "helpers_us_per_chunk": children[1] / chunks * 1e6,
         "aged_in_s": round(aged_in_s, 1),
         **({"gpu_trace": gpu_trace} if gpu_trace else {}),
+        **({"segments": windows} if segments else {}),
     }
 
 
@@ -637,10 +688,21 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         else:
             async def starter(i: int, direct: bool = direct) -> Handle:
                 return await ours(i, direct)
+        segments: list[Callable[[], Awaitable[Any]]] = [
+            functools.partial(set_levers, backend, lv) for lv in cmd.get("segments") or []]
+
+        async def sync() -> None:  # the orchestrator answers once every front end is here
+            conn.send({"ready": True})
+            go = await asyncio.to_thread(conn.recv)
+            if go.get("op") != "go":
+                raise RuntimeError(f"expected go, got {go!r}")
+
         try:
             profiled = cmd.get("profile") and options.torch_profiler_dir and path != "stock"
             result = await _phase(n, seconds, audio, starter, first, before,
-                                  cmd.get("profile"), gpu_profile if profiled else None)
+                                  cmd.get("profile"), gpu_profile if profiled else None,
+                                  segments=segments or None,
+                                  sync=sync if cmd.get("sync") else None)
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
@@ -655,6 +717,22 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             vad_box.clear()
     await engine.aclose()
     conn.send({"stopped": True})
+
+
+async def set_levers(backend: Any, levers: dict[str, Any]) -> dict[str, Any]:
+    """Switch the engine core's three levers to `levers` (melspec, tokens: bool; trim:
+    False, "blocks" or "keys") and say what runs; a lever that will not switch fails the
+    window (an A/B whose B did not run is no A/B)."""
+    said: dict[str, Any] = {}
+    for setter, key in (("set_melspec", "melspec"), ("set_token_writes", "tokens"),
+                        ("set_window_trim", "trim")):
+        want = levers.get(key) or False
+        answer = await switch_lever(backend, setter, want)
+        got = (answer.get("mode") or False) if key == "trim" else bool(answer.get("on"))
+        if got != want:
+            raise RuntimeError(f"{key} {want!r} refused: {answer.get('why_not')}")
+        said[key] = got
+    return said
 
 
 async def until_aged(done: Awaitable[Any], steps: Callable[[], int],
@@ -709,12 +787,22 @@ class FrontEnd:
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
                     profile: str | None = None, melspec: bool = False,
-                    tokens: bool = False, trim: bool | str = False) -> dict[str, Any]:
+                    tokens: bool = False, trim: bool | str = False,
+                    segments: list[dict[str, Any]] | None = None,
+                    barrier: asyncio.Barrier | None = None) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
-                        "melspec": melspec, "tokens": tokens, "trim": trim})
+                        "melspec": melspec, "tokens": tokens, "trim": trim,
+                        "segments": segments, "sync": barrier is not None})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
+        if barrier is not None and "ready" in result:  # aged: start the windows together
+            with contextlib.suppress(asyncio.BrokenBarrierError):
+                await barrier.wait()
+            self.conn.send({"op": "go"})
+            result = await asyncio.to_thread(self.conn.recv)
+        elif barrier is not None:  # failed before its windows: the others must not wait
+            await barrier.abort()
         if "error" in result:
             raise RuntimeError(f"front end {self.index} ({path}, {n}): {result['error']}")
         return result
@@ -905,10 +993,77 @@ def feed_of(config: str, production: bool, age_frames: int) -> str:
     return "production" if production else "plain"
 
 
+def levers_of(config: str) -> dict[str, Any]:
+    """The engine-core levers a configuration's phases run."""
+    return {"melspec": MELSPEC in config, "tokens": TOKENS in config, "trim": trim_of(config)}
+
+
+def ab_refusal(configs: list[str], windows: int) -> str | None:
+    """Why these configurations cannot share an in-phase A/B, else None."""
+    if len(configs) < 2:
+        return "needs two or more of the project's configurations"
+    if len({base_of(c) for c in configs}) != 1:
+        return "the configurations must differ only in +melspec, +tokens, +trim or +keys"
+    if len({json.dumps(levers_of(c), sort_keys=True) for c in configs}) != len(configs):
+        return "two configurations run the same levers"
+    if windows < 2 * len(configs):
+        return f"{windows} windows give some configuration fewer than two"
+    return None
+
+
+def ab_windows(configs: list[str], windows: int) -> list[dict[str, Any]]:
+    """The in-phase A/B's windows: the configurations' levers in turn (A B A B …)."""
+    return [levers_of(configs[j % len(configs)]) for j in range(windows)]
+
+
+def ab_rows(configs: list[str], answers: list[dict[str, Any]], share: list[int],
+            util: list[float], stamps: list[float]) -> dict[str, dict[str, Any]]:
+    """Per configuration of an in-phase A/B, its windows' figures: each session's frames
+    per second is the mean over the configuration's windows (the same sessions in every
+    window), CPU per chunk the mean over them, GPU use the samples inside them."""
+    rows: dict[str, dict[str, Any]] = {}
+    n = sum(share)
+    for idx, config in enumerate(configs):
+        mine = [j for j in range(len(answers[0]["segments"])) if j % len(configs) == idx]
+        fps = [statistics.fmean(a["segments"][j]["fps"][i] for j in mine)
+               for a in answers for i in range(len(a["segments"][0]["fps"]))]
+        spans = [(min(a["segments"][j]["t0"] for a in answers),
+                  max(a["segments"][j]["t1"] for a in answers)) for j in mine]
+        busy = [u for u, t in zip(util, stamps, strict=True)
+                if any(t0 <= t <= t1 for t0, t1 in spans)]
+        realtime = sum(1 for x in fps if x >= REALTIME_FPS)
+
+        def per_chunk(key: str, mine: list[int] = mine) -> float:
+            return round(sum(statistics.fmean(a["segments"][j][key] for j in mine) * k
+                             for a, k in zip(answers, share, strict=True)) / n, 1)
+
+        rows[config] = {
+            "config": config, "streams": n, "realtime_streams": realtime,
+            "realtime_share": round(realtime / n, 3),
+            "frames_per_s_p50": round(statistics.median(fps), 2),
+            "frames_per_s_min": round(min(fps), 2),
+            "front_end_us_per_chunk": per_chunk("front_end_us_per_chunk"),
+            "engine_core_us_per_chunk": per_chunk("engine_core_us_per_chunk"),
+            "helpers_us_per_chunk": per_chunk("helpers_us_per_chunk"),
+            "gpu_util_p50": round(statistics.median(busy), 1) if busy else None,
+            "windows": [j + 1 for j in mine], "levers": answers[0]["segments"][mine[0]]["said"],
+            "frames_per_s_p50_by_window": [round(statistics.median(
+                [x for a in answers for x in a["segments"][j]["fps"]]), 2) for j in mine]}
+    return rows
+
+
 async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
                      *, shared: bool = False, production: bool = False,
-                     age_frames: int = 0, profile_dir: str | None = None) -> dict[str, Any]:
+                     age_frames: int = 0, profile_dir: str | None = None,
+                     ab: list[str] | None = None, windows: int = 4) -> dict[str, Any]:
+    """One phase of a configuration. With `ab` (configurations that differ only in their
+    engine-core levers, `config` among them), the phase's sessions are measured in
+    `windows` windows of `seconds`, the configurations' levers in turn, and the row
+    carries each one's figures in `ab`."""
     parts = plan(config, shared)
+    segments = ab_windows(ab, windows) if ab else None
+    barrier = asyncio.Barrier(len(parts)) if ab else None
+    levers = segments[0] if segments else levers_of(config)
     feed = feed_of(config, production, age_frames)
     tag = f"{config}-{n}{'-aged' if age_frames else ''}"
     stop = asyncio.Event()
@@ -924,8 +1079,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     answers = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
                         str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
-                        melspec=MELSPEC in config, tokens=TOKENS in config,
-                        trim=trim_of(config))
+                        melspec=levers["melspec"], tokens=levers["tokens"],
+                        trim=levers["trim"], segments=segments, barrier=barrier)
         for (f, p), k, first in zip(parts, share, firsts, strict=True)),
         return_exceptions=True)
     stop.set()
@@ -962,6 +1117,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         **({"gpu_profile": await asyncio.to_thread(gpu_profiles, {
             f"fe{f}": r.get("gpu_trace") for (f, _), r in zip(parts, results, strict=True)})}
            if profile_dir and any("gpu_trace" in r for r in results) else {}),
+        **({"ab": ab_rows(ab, results, share, util, stamps)} if ab else {}),
     }
 
 
@@ -1089,7 +1245,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         aged_alive = [c for c in configs if c != "stock"] if age_frames else []
         for n in sorted(args.aged_ladder or []):
             aged[n] = {}
-            for c in aged_alive:
+            if args.aged_ab and aged_alive:  # one phase, the levers switched in it
+                try:
+                    row = await run(fronts, aged_alive[0], n, args.seconds,
+                                    age_frames=age_frames, ab=aged_alive,
+                                    windows=args.ab_windows)
+                    for c, r in row["ab"].items():
+                        aged[n][c] = {**r, "aged_in_s": row["aged_in_s"], "feed": row["feed"],
+                                      **({"kv": row["kv"]} if "kv" in row else {})}
+                except Exception as exc:
+                    for c in aged_alive:
+                        aged[n][c] = {"realtime_share": 0.0, "error": f"{exc}"[:300]}
+                    print(json.dumps({"aged": n, "ab": aged_alive, "error": f"{exc}"[:300]}),
+                          file=sys.stderr, flush=True)
+            for c in ([] if args.aged_ab else aged_alive):
                 try:
                     aged[n][c] = await run(fronts, c, n, args.seconds, age_frames=age_frames,
                                            profile_dir=args.profile_dir
@@ -1243,6 +1412,13 @@ def main() -> int:
                     help="write the rows measured so far to this file after every phase")
     ap.add_argument("--age-concurrency", type=int, default=AGE_CONCURRENCY,
                     help="sessions per front end in their bulk ageing steps at once")
+    ap.add_argument("--aged-ab", action="store_true",
+                    help="aged levels: one phase for all the project's configurations, "
+                         "which must differ only in their engine-core levers, switched in "
+                         "turn over --ab-windows windows of --seconds on the same aged "
+                         "sessions (no second ageing, no phase order)")
+    ap.add_argument("--ab-windows", type=int, default=4,
+                    help="windows of an --aged-ab phase (A B A B …)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="the engines' KV cache element type (engine.vllm.kv_cache_dtype)")
     ap.add_argument("--kv-trace", default=None,
@@ -1252,6 +1428,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.gpu_profile and not (args.profile_dir and args.profile_level):
         ap.error("--gpu-profile needs --profile-dir and --profile-level")
+    if args.aged_ab:
+        why = ab_refusal([c for c in args.configs if c != "stock"], args.ab_windows)
+        if why:
+            ap.error(f"--aged-ab: {why}")
     if args.age_min is not None and not args.aged_ladder:
         from bench import voxtral_age
 

@@ -11,7 +11,8 @@
 #   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
 #   --profile-level N" py-spies the phases at level N, new and aged; "--gpu-profile" adds
 #   vLLM's torch profiler there: GPU busy share, GPU ms per step, top kernels; engine-core levers
-#   A/B on the same engines: CONFIGS="project-direct-x2+melspec project-direct-x2+melspec+tokens")
+#   A/B on the same engines: CONFIGS="project-direct-x2+melspec project-direct-x2+melspec+tokens";
+#   "--aged-ab --ab-windows 4" measures such levers in turn inside one aged phase)
 #   GPUS=2 EPG=2 LADDER="32 48 64" bash .stage/extra/run_gpu.sh gpus   # bench.voxtral_gpus (x2 kind)
 #   bash .stage/extra/run_gpu.sh fa                 # bench.fa_kernels (attention kernels alone)
 #   FA_ARGS="--trim --batches 14 28" bash .stage/extra/run_gpu.sh fa   # vLLM's call vs trimmed

@@ -5,6 +5,7 @@ rounds; rounds rotate the order so no configuration always runs first."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import subprocess
@@ -485,3 +486,120 @@ def test_a_front_end_process_writes_nothing_to_the_benchs_stdout() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == "before\n"
     assert "python log" in done.stderr and "child process log" in done.stderr
+
+
+# ---- the in-phase A/B (--aged-ab) -------------------------------------------------------
+def test_an_in_phase_ab_takes_configurations_that_differ_only_in_their_levers() -> None:
+    keys, blocks = ("project-direct-x2+melspec+tokens+keys",
+                    "project-direct-x2+melspec+tokens+trim")
+    assert capacity.ab_refusal([keys, blocks], 4) is None
+    assert capacity.ab_windows([keys, blocks], 4) == [
+        {"melspec": True, "tokens": True, "trim": "keys"},
+        {"melspec": True, "tokens": True, "trim": "blocks"}] * 2
+    assert "differ only" in str(capacity.ab_refusal([keys, "project-x2+melspec+tokens+keys"], 4))
+    assert "fewer than two" in str(capacity.ab_refusal([keys, blocks], 3))
+    assert "two or more" in str(capacity.ab_refusal([keys], 4))
+
+
+async def test_a_phase_with_windows_switches_before_each_and_measures_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST DOUBLE: each session decodes every frame as it is pushed (no engine), so every
+    window reads ~12.5 frames/s; the levers' switch is a recorder. What is checked is the
+    order: sync before the clock, a switch before each window, windows one after another."""
+    monkeypatch.setattr(capacity, "WARM_S", 0.2)
+    monkeypatch.setattr(capacity, "SWITCH_SLACK_S", 0.2)
+    events: list[str] = []
+    counts = [0, 0]
+
+    async def start(i: int) -> Any:
+        def push(_: Any, i: int = i) -> None:
+            counts[i] += 1
+
+        async def close() -> None:
+            return None
+
+        return push, (lambda i=i: counts[i]), close
+
+    def switch(name: str) -> Any:
+        async def go() -> str:
+            events.append(name)
+            return name
+        return go
+
+    async def sync() -> None:
+        events.append("sync")
+
+    audio = speech()[: 16000 * 5]
+    result = await _phase(2, 0.8, audio, start, segments=[switch("A"), switch("B")] * 2,
+                          sync=sync)
+    assert events == ["sync", "A", "B", "A", "B"]
+    windows = result["segments"]
+    assert [w["said"] for w in windows] == ["A", "B", "A", "B"]
+    assert all(a["t1"] <= b["t0"] for a, b in itertools.pairwise(windows))
+    assert all(6.0 <= f <= 19.0 for w in windows for f in w["fps"]), windows  # ~12.5
+
+
+def test_ab_rows_give_each_configuration_its_own_windows() -> None:
+    """Two front ends, four windows A B A B: A's figures come from windows 1 and 3 only."""
+    def window(t0: float, fps: list[float], said: str) -> dict[str, Any]:
+        return {"t0": t0, "t1": t0 + 10, "fps": fps, "said": said,
+                "front_end_us_per_chunk": 100.0 if said == "A" else 200.0,
+                "engine_core_us_per_chunk": 1.0, "helpers_us_per_chunk": 0.0}
+
+    answers = [{"segments": [window(0, [12.5, 12.4], "A"), window(11, [10.0, 10.2], "B"),
+                             window(22, [12.3, 12.5], "A"), window(33, [10.4, 10.0], "B")]},
+               {"segments": [window(0.5, [12.6], "A"), window(11.5, [9.0], "B"),
+                             window(22.5, [12.0], "A"), window(33.5, [9.2], "B")]}]
+    util = [90.0, 70.0, 91.0, 71.0]
+    stamps = [5.0, 16.0, 27.0, 38.0]
+    rows = capacity.ab_rows(["A", "B"], answers, [2, 1], util, stamps)
+    a, b = rows["A"], rows["B"]
+    assert a["windows"] == [1, 3] and b["windows"] == [2, 4]
+    assert a["realtime_share"] == 1.0 and b["realtime_share"] == 0.0
+    assert a["frames_per_s_min"] == 12.3 and b["frames_per_s_min"] == 9.1  # (9.0 + 9.2) / 2
+    assert a["gpu_util_p50"] == 90.5 and b["gpu_util_p50"] == 70.5
+    assert a["front_end_us_per_chunk"] == 100.0 and b["front_end_us_per_chunk"] == 200.0
+    assert a["levers"] == "A" and b["levers"] == "B"
+
+
+async def test_front_ends_of_an_ab_start_their_windows_together() -> None:
+    """Real pipes; STAND-INS play the front-end processes' side (say ready, wait for go,
+    answer). No front end gets go before all said ready; one that fails before its windows
+    lets the others go."""
+    import multiprocessing as mp
+    import threading
+
+    def front(conn: Any, delay: float, fail: bool, log: list[str], name: str) -> None:
+        conn.recv()  # the phase command
+        time.sleep(delay)
+        if fail:
+            conn.send({"error": "ageing stalled"})
+            return
+        log.append(f"{name} ready")
+        conn.send({"ready": True})
+        assert conn.recv() == {"op": "go"}
+        log.append(f"{name} go")
+        conn.send({"fps": [12.5]})
+
+    async def run(delays: list[float], fails: list[bool]) -> tuple[list[Any], list[str]]:
+        log: list[str] = []
+        fronts, threads = [], []
+        for i, (delay, fail) in enumerate(zip(delays, fails, strict=True)):
+            ours, theirs = mp.Pipe()
+            fe = object.__new__(capacity.FrontEnd)
+            fe.conn, fe.index = ours, i
+            fronts.append(fe)
+            threads.append(threading.Thread(target=front, args=(theirs, delay, fail, log,
+                                                                f"fe{i}"), daemon=True))
+            threads[-1].start()
+        barrier = asyncio.Barrier(len(fronts))
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            fe.phase("direct", 1, 1.0, 0, barrier=barrier, segments=[{}]) for fe in fronts),
+            return_exceptions=True), 10)
+        return list(answers), log
+
+    answers, log = await run([0.0, 0.5], [False, False])
+    assert answers == [{"fps": [12.5]}, {"fps": [12.5]}]
+    assert log.index("fe1 ready") < log.index("fe0 go")  # fe0 waited for fe1
+    answers, log = await run([0.3, 0.0], [False, True])
+    assert answers[0] == {"fps": [12.5]} and isinstance(answers[1], RuntimeError)

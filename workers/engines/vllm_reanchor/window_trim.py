@@ -406,6 +406,8 @@ def _restore() -> None:
 
 
 _MODE: list[str] = []
+_CHECKED: dict[tuple[str, str, str], str | None] = {}
+"""`check`'s answer per (device, KV type, mode) in this process."""
 
 
 def switch(on: bool | str, device: torch.device | str = "cuda",
@@ -435,7 +437,10 @@ def switch(on: bool | str, device: torch.device | str = "cuda",
     refused: dict[str, str] = {}
     for mode in wanted:
         why = _keys_why_not() if mode == "keys" else None
-        why = why or check(device, kv_dtype, mode)
+        key = (str(device), str(kv_dtype), mode)
+        if why is None and key not in _CHECKED:  # once per process: a bench switches often
+            _CHECKED[key] = check(device, kv_dtype, mode)
+        why = why or _CHECKED[key]
         if why is not None:
             refused[mode] = why
             continue
