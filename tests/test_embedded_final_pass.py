@@ -226,3 +226,58 @@ def test_a_session_behind_its_audio_is_not_taken_for_a_rut(runs: dict[str, Any])
     words = committed(played)
     assert len(words) >= len(reference) - 2
     assert words[0].start_s < 1.5, "the first utterance was lost"
+
+
+@pytest.mark.parametrize("per_batch", [1, 7])
+def test_an_utterance_starts_where_its_first_speech_frame_says_however_the_chunks_came(
+        per_batch: int) -> None:
+    """The onset frame here (512 samples, frame 53: samples 27,136-27,647) straddles the
+    edge of a 100 ms chunk (27,200). Fed chunk by chunk, the session used to keep only the
+    lead-in of the chunk before it, so the utterance began at 27,200 - 0.3 s, not 27,136 -
+    0.3 s, and its final pass read other audio than a session that got the chunks seven at
+    a time (a flaky whole-suite failure: the same talk finalised "John." against "John
+    Dashwood had then…"). The flags are given with the chunks (as the session manager
+    gives Silero's), so the onset is where the test puts it."""
+    onset_frame, frames_speech, frame = 53, 200, 512
+    pcm = decode_pcm16(AUDIO / f"{REFERENCE_FILES[0]}.flac")
+    speech_pcm = pcm[: frames_speech * frame * 2]
+    audio = bytes(onset_frame * frame * 2) + speech_pcm + bytes(SAMPLE_RATE * 2)
+    n_frames = len(audio) // 2 // frame
+    flags = [onset_frame <= k < onset_frame + frames_speech for k in range(n_frames)]
+    options = EmbeddedEngineOptions(model="tiny.en", cpu_threads=2, final_beam_size=FINAL_BEAM)
+    size = CHUNK * per_batch
+
+    async def run() -> list[tuple[float, int]]:
+        engine = LoggedEngine(options)
+        await engine.start()
+        starts: list[tuple[float, int]] = []
+        original = engine._decode_sync
+
+        def decode(audio_: Any, offset_s: float, *args: Any, **kw: Any) -> Any:
+            if args[1] == FINAL_BEAM:  # (language, beam, …)
+                starts.append((round(offset_s, 4), len(audio_)))
+            return original(audio_, offset_s, *args, **kw)
+
+        engine._decode_sync = decode  # type: ignore[method-assign]
+        session = engine.open_session(SessionOptions("t", "en"))
+
+        async def drain() -> None:
+            async for _ in session:
+                pass
+
+        drainer = asyncio.create_task(drain())
+        for pos in range(0, len(audio) // 2, size):
+            chunk = audio[pos * 2 : (pos + size) * 2]
+            end = pos + len(chunk) // 2  # frames k ending in (pos, end]: 512 (k + 1)
+            mine = tuple(flags[pos // frame : end // frame])
+            await session.push(AudioChunk("t", pos, chunk, 0.0, speech=mine,
+                                          speech_end=end // frame * frame))
+            await asyncio.sleep(0.02)  # each chunk is its own batch in the session
+        await session.end_input()
+        await asyncio.wait_for(drainer, 120)
+        await engine.aclose()
+        return starts
+
+    starts = asyncio.run(run())
+    expected = (onset_frame * frame - round(0.3 * SAMPLE_RATE)) / SAMPLE_RATE
+    assert starts and starts[0][0] == round(expected, 4), (starts, expected)

@@ -32,6 +32,10 @@ class AudioChunk:
     """Voice activity already computed for this audio (one flag per 512-sample frame that
     completed in it), so an engine session does not run Silero a second time; None: not
     computed (the session runs its own)."""
+    speech_end: int | None = None
+    """Stream position where the last of `speech`'s frames ends. The VAD's frames run on
+    from where it started, not from each chunk's start, so up to 511 samples of a chunk
+    can wait for the next one; None: at the chunk's end."""
 
     @property
     def samples(self) -> int:

@@ -303,7 +303,8 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._new_since_decode += audio.size
         self._expected = chunk.pos + audio.size
         self._vad_pending.append((audio if chunk.speech is None else chunk.speech,
-                                  self._expected))
+                                  self._expected if chunk.speech is None
+                                  or chunk.speech_end is None else chunk.speech_end))
 
     async def _run_vad(self) -> None:
         """Voice activity over the audio appended since the last call, frame by frame: an
@@ -527,5 +528,7 @@ class EmbeddedWhisperSession(RecognizeSession):
             await self._run_vad()
             if self._had_speech and self._new_since_decode >= step:
                 await self._update()
-            elif not self._had_speech and self._buf.size > lead:
-                self._drop_before(self._buf_pos + self._buf.size - lead)
+            elif not self._had_speech and self._buf.size > lead + FRAME_SAMPLES:
+                # keep a frame more than the lead-in: the next speech frame may have begun
+                # before the next chunk does, and the utterance starts lead_in_s before it
+                self._drop_before(self._buf_pos + self._buf.size - lead - FRAME_SAMPLES)

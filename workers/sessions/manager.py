@@ -141,6 +141,7 @@ class SessionManager(RecognizeSession):
         p = self.policy
         self._ring = AudioRing(max(p.overlap_s, p.rut.window_s) + 2.0)
         self._vad: VadStream = vad or InlineVad()
+        self._vad_carry = 0  # samples the VAD holds toward its next frame
         # An engine that sends text only at a pause (text_lag_s) is mute for that long by
         # design: the watchdog allows it that much more speech, in a window as much longer.
         lag = engine.capabilities.text_lag_s
@@ -389,14 +390,20 @@ class SessionManager(RecognizeSession):
         """Feed one contiguous chunk to the live session(s) and the detectors."""
         assert self.pos is not None
         flags = await self._vad.flags(chunk.pcm)
+        # The VAD's frames run on across chunks: those that completed here end where the
+        # samples it still holds begin (not at the chunk's end).
+        carry = self._vad_carry + chunk.samples - len(flags) * FRAME_SAMPLES
+        known = 0 <= carry < FRAME_SAMPLES
+        self._vad_carry = carry if known else 0
+        speech_end = chunk.pos + chunk.samples - self._vad_carry
         # The engine session gets these flags with the audio: Silero runs once per stream.
-        chunk = replace(chunk, speech=tuple(flags))
+        chunk = replace(chunk, speech=tuple(flags), speech_end=speech_end if known else None)
         self._ring.add(chunk)
         self.pos = chunk.pos + chunk.samples
         if real:
             self._last_arrival = self._clock()
             self._arrival_pos = self.pos
-        frame_pos = chunk.pos
+        frame_pos = speech_end - len(flags) * FRAME_SAMPLES
         for speech in flags:
             if speech:
                 self._watch.speech(frame_pos, FRAME_SAMPLES)
