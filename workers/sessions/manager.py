@@ -27,7 +27,8 @@ outside, like a single session that never ends:
 Voice activity comes from a `VadStream` (Silero in this thread by default; a GPU
 actor passes one from a helper process so the VAD stays off its event loop). Its flags
 travel with each chunk (`AudioChunk.speech`), so an engine session that needs voice
-activity (the embedded one) does not run Silero a second time.
+activity (the embedded one) does not run Silero a second time, with where the last of
+them ends (`AudioChunk.speech_end`: Silero's frames run on across chunks).
 
 Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
 export (status fields and metrics); the manager itself does no I/O.
