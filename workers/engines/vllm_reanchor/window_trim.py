@@ -439,7 +439,10 @@ def switch(on: bool | str, device: torch.device | str = "cuda",
         why = _keys_why_not() if mode == "keys" else None
         key = (str(device), str(kv_dtype), mode)
         if why is None and key not in _CHECKED:  # once per process: a bench switches often
-            _CHECKED[key] = check(device, kv_dtype, mode)
+            try:
+                _CHECKED[key] = check(device, kv_dtype, mode)
+            except Exception as exc:  # e.g. no FA3 here: the other mode may still run
+                _CHECKED[key] = f"its check failed: {type(exc).__name__}: {exc}"[:300]
         why = why or _CHECKED[key]
         if why is not None:
             refused[mode] = why
