@@ -259,42 +259,50 @@ def _window_of(builder: Any, cm: Any, common_prefix_len: int) -> tuple[int, int]
     return int(window) - 1, int(spec.block_size)
 
 
-def _trimming_build(original: Callable[..., Any]) -> Callable[..., Any]:
+def _window_build(original: Callable[..., Any],
+                  rewrite: Callable[[Any, int, int], tuple[Any, torch.Tensor | None]]
+                  ) -> Callable[..., Any]:
+    """vLLM's build, with sliding-window groups' common metadata rewritten first
+    (`rewrite(cm, left, block)` → the new common metadata and, for the block trim, each
+    request's dropped blocks, kept on the metadata as TRIM_ATTR); other builds as vLLM's."""
     def build(self: Any, common_prefix_len: int, common_attn_metadata: Any,
               fast_build: bool = False) -> Any:
         cm = common_attn_metadata
         where = _window_of(self, cm, common_prefix_len)
         if where is None:
             return original(self, common_prefix_len, cm, fast_build)
-        left, block = where
-        seq_lens, table, first = trim(cm.seq_lens, cm.query_start_loc, cm.block_table_tensor,
-                                      left, block)
-        trimmed = dataclasses.replace(
-            cm, seq_lens=seq_lens, block_table_tensor=table,
-            max_seq_len=max_len_bound(cm.max_seq_len, cm.max_query_len, left, block))
-        metadata = original(self, common_prefix_len, trimmed, fast_build)
-        setattr(metadata, TRIM_ATTR, first)
+        rewritten, first = rewrite(cm, *where)
+        metadata = original(self, common_prefix_len, rewritten, fast_build)
+        if first is not None:
+            setattr(metadata, TRIM_ATTR, first)
         return metadata
 
     return build
 
 
-def _padding_build(original: Callable[..., Any]) -> Callable[..., Any]:
-    def build(self: Any, common_prefix_len: int, common_attn_metadata: Any,
-              fast_build: bool = False) -> Any:
-        cm = common_attn_metadata
-        where = _window_of(self, cm, common_prefix_len)
-        if where is None:
-            return original(self, common_prefix_len, cm, fast_build)
-        # a tensor object of this build's own (other groups share cm.seq_lens) carries the
-        # pad to the forward's FlashAttention call, which reads `seqused_k`; metadata vLLM
-        # copies keeps it, and a call that lost it is vLLM's own
-        seq_lens = cm.seq_lens.view(-1)
-        setattr(seq_lens, PAD_ATTR, leftpad(cm.seq_lens, cm.query_start_loc, where[0]))
-        return original(self, common_prefix_len, dataclasses.replace(cm, seq_lens=seq_lens),
-                        fast_build)
+def _trimmed(cm: Any, left: int, block: int) -> tuple[Any, torch.Tensor]:
+    seq_lens, table, first = trim(cm.seq_lens, cm.query_start_loc, cm.block_table_tensor,
+                                  left, block)
+    return dataclasses.replace(
+        cm, seq_lens=seq_lens, block_table_tensor=table,
+        max_seq_len=max_len_bound(cm.max_seq_len, cm.max_query_len, left, block)), first
 
-    return build
+
+def _padded(cm: Any, left: int, block: int) -> tuple[Any, None]:
+    # a tensor object of this build's own (other groups share cm.seq_lens) carries the pad
+    # to the forward's FlashAttention call, which reads `seqused_k`; metadata vLLM copies
+    # keeps it, and a call that lost it is vLLM's own
+    seq_lens = cm.seq_lens.view(-1)
+    setattr(seq_lens, PAD_ATTR, leftpad(cm.seq_lens, cm.query_start_loc, left))
+    return dataclasses.replace(cm, seq_lens=seq_lens), None
+
+
+def _trimming_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _window_build(original, _trimmed)
+
+
+def _padding_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _window_build(original, _padded)
 
 
 def _trimming_update(original: Callable[..., Any]) -> Callable[..., Any]:
