@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from orchestrator import ray_metrics
 from orchestrator.metric_catalog import spec
 from orchestrator.redis_server import LocalRedisServer
+from tests.engine_doubles import IdleEngine
 from tests.speech import AUDIO, decode_pcm16
 from tests.test_asr_host import feed, host_options, stream_options
 from tests.waiting import eventually
@@ -27,11 +28,9 @@ from workers.asr import ZERO_AT_START, AsrHost
 from workers.bus import RedisBus
 from workers.engines.base import (
     END,
-    EngineCapabilities,
     RecognizeSession,
     SessionInput,
     SessionOptions,
-    SpeechEngine,
 )
 from workers.events import SAMPLE_RATE, AudioChunk, StreamOptions, TranscriptDelta, Word
 from workers.ingest import INGEST_GAP_REASONS, IngestHost, IngestHostOptions
@@ -70,24 +69,13 @@ class _OneWordSession(RecognizeSession):
                         end_of_utterance=True))
 
 
-class ScriptedEngine(SpeechEngine):
+class ScriptedEngine(IdleEngine):
     """Stream `talk` gets a session that says one word; every other stream a mute one.
     Reports busy seconds and steps like the embedded engine does."""
 
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.calls = 0
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(max_session_s=None, reanchors_natively=True,
-                                  multilingual=False)
-
-    async def start(self) -> None:
-        return None
-
-    async def aclose(self) -> None:
-        return None
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         session = (_OneWordSession(options) if options.stream_id == "talk"

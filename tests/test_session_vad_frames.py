@@ -14,13 +14,12 @@ import asyncio
 
 import pytest
 
+from tests.engine_doubles import IdleEngine
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16
 from workers.engines.base import (
-    EngineCapabilities,
     RecognizeSession,
     SessionInput,
     SessionOptions,
-    SpeechEngine,
 )
 from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk
@@ -29,22 +28,11 @@ from workers.sessions.manager import SessionManager, SessionPolicy
 pytestmark = pytest.mark.unit
 
 
-class RecordingOnlyEngine(SpeechEngine):
+class RecordingOnlyEngine(IdleEngine):
     """TEST DOUBLE: sessions that keep every chunk they get and say nothing."""
 
     def __init__(self) -> None:
         self.chunks: list[AudioChunk] = []
-
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(max_session_s=None, reanchors_natively=True,
-                                  multilingual=False)
-
-    async def start(self) -> None:
-        return None
-
-    async def aclose(self) -> None:
-        return None
 
     def open_session(self, options: SessionOptions) -> RecognizeSession:
         chunks = self.chunks
