@@ -181,6 +181,21 @@ def engines_of(config: str) -> int:
     head, _, k = base_of(config).rpartition("-x")
     return int(k) if head and k.isdigit() else 1
 
+def front_end_streams(f: int, configs: list[str], top: int, shared: bool) -> int:
+    """Sessions front end `f` is sized for (its engine's `max_streams`, which vLLM turns into
+    `max_num_seqs`). Front end 0, or 1 under `--share-front-end`, takes a one-engine
+    configuration's every session; an -xN front end takes its share of the fewest-engine
+    group's. vLLM reserves memory per sequence slot before it sizes the KV cache, so a front
+    end sized for every session when no one-engine configuration runs on it would have
+    fewer blocks than its peers (2026-12-02, x3 at 104 aged: front end 1 had 3,109 blocks,
+    the two others 3,871, and its ageing filled it first)."""
+    one = any(engines_of(c) == 1 for c in configs)
+    if f == 0 or (shared and f == 1 and one):
+        return top
+    fewest = min((engines_of(c) for c in configs if engines_of(c) > 1), default=1)
+    return -(-top // fewest)
+
+
 Handle = tuple[Callable[[np.ndarray], None], Callable[[], int], Callable[[], Awaitable[None]]]
 
 
@@ -1159,7 +1174,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     configs = list(args.configs)
     ladder = sorted(args.ladder) if args.find_knee else [args.streams]
     multi = max((engines_of(c) for c in configs if engines_of(c) > 1), default=0)
-    fewest = min((engines_of(c) for c in configs if engines_of(c) > 1), default=1)
     shared = bool(args.share_front_end and multi)
     need_main = any(engines_of(c) == 1 for c in configs) and not shared
     engines = (1 if need_main else 0) + multi
@@ -1213,8 +1227,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started: dict[int, Any] = {}
     try:
         for f in wanted:  # one at a time: vLLM profiles free memory while it starts
-            alone = f == 0 or (shared and f == 1)  # takes one-engine configurations
-            fronts[f] = FrontEnd(f, opts(top if alone else -(-top // fewest), f))
+            fronts[f] = FrontEnd(f, opts(front_end_streams(f, configs, top, shared), f))
             started[f] = await fronts[f].ready()
         direct_ok = all(started[f].get("direct_check", {}).get("equal") for f in started)
         if not direct_ok:

@@ -114,6 +114,20 @@ def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
     assert plan("project-direct-x2", shared=True) == [(1, "direct"), (2, "direct")]
 
 
+def test_front_end_one_is_sized_for_every_session_only_when_a_one_engine_config_runs_there(
+) -> None:
+    """vLLM reserves memory per sequence slot before it sizes the KV cache: a front end sized
+    for sessions it never gets has fewer blocks than its peers."""
+    size = capacity.front_end_streams
+    x3 = ["project-direct-x3+melspec+tokens+keys"]
+    assert [size(f, x3, 104, shared=True) for f in (1, 2, 3)] == [35, 35, 35]
+    with_stock = ["stock", *x3]
+    assert [size(f, with_stock, 104, shared=True) for f in (1, 2, 3)] == [104, 35, 35]
+    assert [size(f, with_stock, 104, shared=False) for f in (0, 1, 2, 3)] == [104, 35, 35, 35]
+    mixed = ["project-direct-x2", "project-direct-x4"]  # the fewest engines take the most
+    assert [size(f, mixed, 96, shared=True) for f in (1, 4)] == [48, 48]
+
+
 def test_the_stock_path_is_always_fed_as_vllm_serves_it() -> None:
     assert feed_of("stock", production=True, age_frames=750) == "plain"
     assert feed_of("project-direct", production=True, age_frames=0) == "production"
