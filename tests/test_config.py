@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from orchestrator.capacity import (
     REALTIME_STREAMS_PER_CORE,
     VLLM_FP8_STREAMS_PER_ACTOR,
+    VLLM_FP8_X3_STREAMS_PER_ACTOR,
     VLLM_STREAMS_PER_ACTOR,
     default_streams_per_actor,
 )
@@ -373,8 +374,8 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     # vllm: the aged knee of bench.voxtral_capacity (orchestrator/capacity.py)
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m}\nstreams: [{id: a, source: push}]")
     assert cfg.engine.streams_per_actor == VLLM_STREAMS_PER_ACTOR == 18
-    # fp8 KV on one or two engines per GPU: its own measured knee; more engines per GPU
-    # have less KV cache than was measured, so they keep the bf16 figure
+    # fp8 KV on one or two engines per GPU, and on three: their own measured knees; more
+    # engines per GPU have less KV cache than was measured, so they keep the bf16 figure
     def vllm(section: str) -> int:
         text = ("event: x\nengine: {kind: vllm, model: /m, vllm: {" + section + "}}\n"
                 "streams: [{id: a, source: push}]")
@@ -382,6 +383,7 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
 
     assert vllm("kv_cache_dtype: fp8") == VLLM_FP8_STREAMS_PER_ACTOR == 36
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 2") == 36
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3") == VLLM_FP8_X3_STREAMS_PER_ACTOR == 34
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 4") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 2") == 18
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m, streams_per_actor: 5, "
