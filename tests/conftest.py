@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
+from types import FrameType
 
 import pytest
 from redis.asyncio import Redis
@@ -48,3 +53,60 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if missing:
         raise pytest.UsageError("tests without a unit/integration/gpu marker:\n  "
                                 + "\n  ".join(missing))
+
+
+TASKS_BEFORE_TIMEOUT_S = 20.0
+"""How long before pytest-timeout's limit every asyncio task's stack is printed."""
+
+
+def _awaiting(task: asyncio.Task[object]) -> list[str]:
+    """Where a task waits: its coroutine and every coroutine it awaits, outermost first
+    (`Task.print_stack` shows only the outermost)."""
+    lines: list[str] = []
+    obj: object = task.get_coro()
+    while obj is not None and len(lines) < 30:
+        frame = (getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+                 or getattr(obj, "ag_frame", None))
+        if frame is None:
+            lines.append(f"  awaiting {obj!r}")
+            break
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        obj = (getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+               or getattr(obj, "ag_await", None))
+    return lines
+
+
+def _print_tasks(signum: int, frame: FrameType | None) -> None:
+    """Where every task of the running loop waits (signal handler, main thread)."""
+    loop = asyncio._get_running_loop()
+    tasks = asyncio.all_tasks(loop) if loop is not None else set()
+    print(f"+++ {len(tasks)} asyncio task(s), {TASKS_BEFORE_TIMEOUT_S:.0f} s before the "
+          "test's timeout +++", file=sys.stderr)
+    for task in tasks:
+        print(f"task {task.get_name()}:", *_awaiting(task), sep="\n", file=sys.stderr)
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_tasks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    """pytest-timeout's dump shows threads, and a hung asyncio test shows only its loop in
+    select() (test_asr_host's restart test, CI 2026-12-02: no clue where it waited). So
+    shortly before the limit, every asyncio task's stack goes to stderr, which the failure
+    report shows."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = (float(marker.args[0]) if marker and marker.args
+             else float(request.config.getini("timeout") or 0))
+    if limit <= TASKS_BEFORE_TIMEOUT_S or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGUSR1, _print_tasks)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(limit - TASKS_BEFORE_TIMEOUT_S, signal.pthread_kill,
+                            (main, signal.SIGUSR1))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
