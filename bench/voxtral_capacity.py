@@ -1093,7 +1093,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     # configuration failed with "Ran out of input" (H200, 2026-12-01), hiding its result.
     answers = await asyncio.gather(*(
         fronts[f].phase(p, k, seconds, first, feed, age_frames,
-                        str(Path(profile_dir) / f"{tag}-fe{f}.txt") if profile_dir else None,
+                        str(Path(profile_dir) / f"{tag.replace('+', '_')}-fe{f}.txt")
+                        if profile_dir else None,
                         melspec=levers["melspec"], tokens=levers["tokens"],
                         trim=levers["trim"], segments=segments, barrier=barrier)
         for (f, p), k, first in zip(parts, share, firsts, strict=True)),
