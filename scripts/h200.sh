@@ -14,6 +14,7 @@
 #   A/B on the same engines: CONFIGS="project-direct-x2+melspec project-direct-x2+melspec+tokens";
 #   "--aged-ab --ab-windows 4" measures such levers in turn inside one aged phase)
 #   GPUS=2 EPG=2 LADDER="32 48 64" bash .stage/extra/run_gpu.sh gpus   # bench.voxtral_gpus (x2 kind)
+#   MPS=1 … run_gpu.sh capacity   # the same under CUDA MPS (the host's "mps" says if it was on)
 #   bash .stage/extra/run_gpu.sh fa                 # bench.fa_kernels (attention kernels alone)
 #   FA_ARGS="--trim --batches 14 28" bash .stage/extra/run_gpu.sh fa   # vLLM's call vs trimmed
 #   bash .stage/extra/run_gpu.sh vad                # bench.vad (VAD threads A/B)
@@ -26,6 +27,18 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PATH=/tmp/bin:$PATH BABELCAST_VOXTRAL_DIR=/tmp/voxtral
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "${MPS:-0}" = 1 ] && [ "$1" != install ]; then
+  # CUDA MPS: the engines' kernels may run side by side instead of the GPU switching
+  # between their contexts. A user-space daemon (no GPU setting changes); quit at the end.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    echo "MPS control daemon started"
+    trap 'echo quit | nvidia-cuda-mps-control; echo "MPS daemon quit"; tail -3 "$CUDA_MPS_LOG_DIRECTORY/control.log"' EXIT
+  else
+    echo "MPS: nvidia-cuda-mps-control -d failed, running without"; unset CUDA_MPS_PIPE_DIRECTORY
+  fi
+fi
 case "$1" in
 install)
   bash .stage/part06/reassemble.sh > "$OUT/install.log" 2>&1; rc=$?
