@@ -181,6 +181,7 @@ def engines_of(config: str) -> int:
     head, _, k = base_of(config).rpartition("-x")
     return int(k) if head and k.isdigit() else 1
 
+
 def front_end_streams(f: int, configs: list[str], top: int, shared: bool) -> int:
     """Sessions front end `f` is sized for (its engine's `max_streams`, which vLLM turns into
     `max_num_seqs`). Front end 0, or 1 under `--share-front-end`, takes a one-engine
