@@ -264,12 +264,11 @@ def _publisher_main(redis_url: str, stream_ids: list[str], rate: float, final_ev
 
 async def _publish(redis_url: str, stream_ids: list[str], rate: float, final_every_s: float,
                    start_at: float, seconds: float) -> dict[str, Any]:
-    from redis.asyncio import Redis
 
-    from workers.bus import RedisBus
+    from workers.bus import RedisBus, connect_redis
 
     # One publication in flight per stream; redis-py >= 6 raises past its pool (100 by default).
-    redis = Redis.from_url(redis_url, max_connections=len(stream_ids) + 8)
+    redis = connect_redis(redis_url, max_connections=len(stream_ids) + 8)
     bus = RedisBus(redis)
     period = 1.0 / rate
     finals: dict[str, bytearray] = {}  # per stream, byte seq-1: 1 for a final
@@ -310,10 +309,10 @@ async def _probe(redis_url: str, rate: float, payload_bytes: int,
     """PUBLISH → message round trips (seconds) in each (start, end) wall-clock phase. The
     publishing side is spread like the scripted sources (senders staggered over a period);
     the reading side reads like the gateway's hub."""
-    from redis.asyncio import Redis
+    from workers.bus import connect_redis
 
-    pub = Redis.from_url(redis_url)
-    sub = Redis.from_url(redis_url)
+    pub = connect_redis(redis_url)
+    sub = connect_redis(redis_url)
     pubsub = sub.pubsub()
     await pubsub.subscribe(PROBE_CHANNEL)
     pad = "x" * max(0, payload_bytes - 40)

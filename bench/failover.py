@@ -51,7 +51,6 @@ def _words(ref: str, hyp: str) -> dict[str, int]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
-    from redis.asyncio import Redis
 
     from orchestrator.config import parse_event
     from orchestrator.ray_actors import AsrActor
@@ -59,7 +58,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from orchestrator.runtime import EventRuntime
     from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize, reference_text
     from workers.asr import AsrHostOptions
-    from workers.bus import RedisBus
+    from workers.bus import RedisBus, connect_redis
     from workers.engines.embedded import EmbeddedEngineOptions
     from workers.events import SAMPLE_RATE, AudioChunk
 
@@ -79,7 +78,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                            max_catchup_s=0.0 if sid == "live_edge" else 15.0),
             EmbeddedEngineOptions(model=args.model, cpu_threads=1))
     runtime.router = Router(budget=1, actors=[*STREAMS, "spare"])
-    redis = Redis.from_url(args.redis_url)
+    redis = connect_redis(args.redis_url)
     bus = RedisBus(redis)
     chunk = SAMPLE_RATE // 10
     fed = [0]

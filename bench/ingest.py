@@ -54,7 +54,7 @@ from tests.ingest_support import (  # noqa: E402 - the encoders the ingest tests
     with_beep,
 )
 from tests.speech import AUDIO, decode_pcm16, normalize, reference_text  # noqa: E402
-from workers.bus import audio_key, captions_key, status_key  # noqa: E402
+from workers.bus import audio_key, cancel_safe, captions_key, status_key  # noqa: E402
 from workers.events import SAMPLE_RATE  # noqa: E402
 
 PATHS = ("file", "hls", "rtmp-pull", "rtmp-push", "srt-pull", "srt-listener", "ws-push",
@@ -239,7 +239,8 @@ async def run(model: str, only: list[str], tmp: Path) -> dict[str, Any]:
         results: dict[str, Any] = {}
         async with babelcast_run(lines, tmp) as server:
             kwargs = server.redis.connection_pool.connection_kwargs
-            redis = Redis(host=kwargs["host"], port=kwargs["port"], db=kwargs.get("db", 0))
+            redis = cancel_safe(Redis(host=kwargs["host"], port=kwargs["port"],
+                                      db=kwargs.get("db", 0)))
             try:
                 for path in PATHS:
                     if path in only:

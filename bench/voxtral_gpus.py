@@ -140,11 +140,10 @@ async def run(args: argparse.Namespace, make_actor: ActorFactory | None = None,
     """The bench; `make_actor` and `redis_url` are injected by tests (a FAKE engine's
     actor, the test Redis); otherwise AsrActors over the vllm engine and a local Redis."""
     import ray
-    from redis.asyncio import Redis
 
     from orchestrator.redis_server import LocalRedisServer
     from workers.asr import AsrHostOptions
-    from workers.bus import RedisBus
+    from workers.bus import RedisBus, connect_redis
 
     local = None
     if redis_url is None:
@@ -158,7 +157,7 @@ async def run(args: argparse.Namespace, make_actor: ActorFactory | None = None,
         make_actor = vllm_actor_factory(args, per_actor)
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)
-    redis = Redis.from_url(redis_url)
+    redis = connect_redis(redis_url)
     bus = RedisBus(redis)
     audio = speech()
     handles: dict[str, Any] = {}

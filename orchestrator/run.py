@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
-from redis.asyncio import Redis
 
 from orchestrator.actor_options import stream_options
 from orchestrator.apply import ApplyController, publish_streams
@@ -36,6 +35,7 @@ from orchestrator.redis_child import keep_alive
 from orchestrator.redis_server import free_port
 from orchestrator.runtime import EventRuntime
 from workers.aio import wait_for
+from workers.bus import connect_redis
 
 log = logging.getLogger(__name__)
 
@@ -213,14 +213,14 @@ async def run_event(cfg: EventConfig, *, duration_s: float | None = None,
         if runtime.redis_child is not None:
             background.append(asyncio.create_task(keep_alive(runtime.redis_child),
                                                   name="redis-child"))
-        async with Redis.from_url(redis_url) as fresh:  # before a gateway reads it
+        async with connect_redis(redis_url) as fresh:  # before a gateway reads it
             await publish_streams(fresh, cfg)
         gateway = await serve_gateway(cfg, redis_url, security)
         if gateway is None:
             return 2
         app, port = gateway.app, gateway.port
         base = f"http://{cfg.gateway.host}:{port}"
-        redis = Redis.from_url(redis_url)
+        redis = connect_redis(redis_url)
         hub: CaptionHub = app.state.hub
         guard = EpochGuard(redis, [(s.id, lang) for s in cfg.streams
                                    for lang in (stream_options(s).caption_lang, *s.targets)],

@@ -22,7 +22,6 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
-from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.actor_options import (
@@ -40,7 +39,7 @@ from orchestrator.router import PlacementError, Router
 from orchestrator.status import register_actors
 from workers.aio import wait_for
 from workers.asr import AsrHostOptions
-from workers.bus import RedisBus
+from workers.bus import RedisBus, connect_redis
 from workers.engines import vad
 from workers.ingest import IngestHostOptions
 
@@ -239,7 +238,7 @@ class EventRuntime:
         each stream's placement in its status hash (the ASR actor, or `unplaced`)."""
         assert self.router is not None
         try:
-            redis = Redis.from_url(self.redis_url)
+            redis = connect_redis(self.redis_url)
             try:
                 bus = RedisBus(redis)
                 await register_actors(bus, [*self.asr, *self.ingest, *self.translators])
@@ -441,7 +440,7 @@ class EventRuntime:
     async def _count_lag_move(self, sid: str) -> None:
         """`lag_moves` in the stream's status hash (the metric counts every move)."""
         try:
-            redis = Redis.from_url(self.redis_url)
+            redis = connect_redis(self.redis_url)
             try:
                 await RedisBus(redis).incr_status(sid, "lag_moves")
             finally:

@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 
 import pytest
-from redis.asyncio import Redis
 
 from orchestrator.redis_server import LocalRedisServer
-from workers.bus import RedisBus
+from workers.bus import RedisBus, connect_redis
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +26,7 @@ def redis_server() -> Iterator[LocalRedisServer]:
 @pytest.fixture
 async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
     """The session-wide server, emptied for this test."""
-    client = Redis.from_url(redis_server.url)
+    client = connect_redis(redis_server.url)
     try:
         await client.flushdb()
     finally:
@@ -37,7 +36,7 @@ async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
-    client = Redis.from_url(redis_url)
+    client = connect_redis(redis_url)
     yield RedisBus(client)
     await client.aclose()
 

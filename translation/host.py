@@ -25,7 +25,7 @@ from translation.backends.base import BackendError, Result, TranslationRequest, 
 from translation.glossary import Glossary, GlossaryTerm
 from translation.jobs import Delivery, JobQueue
 from workers.aio import wait_for
-from workers.bus import RedisBus, retry_redis
+from workers.bus import RedisBus, connect_redis, retry_redis
 from workers.captions.linebreak import WEB, break_lines
 from workers.events import CaptionSegment, TranslationJob
 
@@ -104,7 +104,7 @@ class TranslationHost:
         return self._bus
 
     async def start(self) -> None:
-        self._redis = Redis.from_url(self.options.redis_url)
+        self._redis = connect_redis(self.options.redis_url)
         self._bus = RedisBus(self._redis)
         self._queue = JobQueue(self._redis, self.options.translator_id,
                                claim_idle_s=self.options.claim_idle_s)

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 
 from workers.aio import wait_for
 from workers.backlog import BacklogGuard
-from workers.bus import RETRYABLE, RedisBus, cursor_key, entry_ms, retry_redis
+from workers.bus import RETRYABLE, RedisBus, connect_redis, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
 from workers.engines.base import SessionOptions, SpeechEngine
 from workers.engines.vad import VadService
@@ -410,7 +410,7 @@ class AsrHost:
         return self._bus
 
     async def start(self) -> None:
-        self._redis = Redis.from_url(self.options.redis_url)
+        self._redis = connect_redis(self.options.redis_url)
         self._bus = RedisBus(self._redis)
         await self.engine.start()
         self._reader = asyncio.create_task(self._read_loop(), name="asr-reader")

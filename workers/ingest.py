@@ -31,7 +31,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from workers.aio import cancel_and_wait
-from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, retry_redis
+from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, connect_redis, retry_redis
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
 from workers.sessions.stall import StallThreshold, ingest_threshold
 from workers.sources.base import AudioSource, SourceError, SourceEvent
@@ -201,7 +201,7 @@ class IngestHost:
         self._reporter: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._redis = Redis.from_url(self.options.redis_url)
+        self._redis = connect_redis(self.options.redis_url)
         self._bus = RedisBus(self._redis)
         self._pool = ThreadPoolExecutor(
             max_workers=self.options.decode_threads, thread_name_prefix="decode"

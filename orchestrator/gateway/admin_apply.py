@@ -28,13 +28,13 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.apply import MAX_QUEUED, control_key, reply_key, streams_key
 from orchestrator.config import ConfigError, parse_event
 from orchestrator.gateway.access import is_admin
 from orchestrator.gateway.context import GatewayContext, GatewayStream
+from workers.bus import connect_redis
 from workers.events import StreamOptions
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ class StreamFollower:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> StreamFollower:
-        self._redis = Redis.from_url(self.redis_url)
+        self._redis = connect_redis(self.redis_url)
         with contextlib.suppress(Exception):  # Redis away: the loop reads it later
             await self.refresh()
         self._task = asyncio.create_task(self._run(), name="stream-follower")

@@ -67,6 +67,7 @@ from orchestrator.gateway.publish import push_audio_ws, realtime_ws
 from orchestrator.gateway.transcripts import Format, Profile, TranscriptExporter
 from orchestrator.outputs.hls import HlsOptions, HlsTrack
 from orchestrator.status import collect as collect_status
+from workers.bus import cancel_safe
 
 __all__ = ["GatewayStream", "create_app"]
 
@@ -109,7 +110,8 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
         # Clients that connect together (overlays reconnecting after a blip) read Redis
         # together: wait for a pooled connection; redis-py's default pool (8.x) raises
         # MaxConnectionsError past 100 and the WebSocket dies with it.
-        redis = Redis.from_pool(BlockingConnectionPool.from_url(redis_url, max_connections=100))
+        redis = cancel_safe(Redis.from_pool(BlockingConnectionPool.from_url(
+            redis_url, max_connections=100)))
         hub = CaptionHub(redis)
         await hub.start()
         ctx.bind(redis, hub, hls_options)

@@ -31,11 +31,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-from redis.asyncio import Redis
 
 from orchestrator.outputs.hls import HlsOptions
 from orchestrator.outputs.runner import OutputsOptions, OutputsRunner
 from orchestrator.outputs.youtube import YoutubeConfigError, YoutubeOptions
+from workers.bus import connect_redis
 from workers.captions.linebreak import get_profile
 from workers.events import StreamOptions
 
@@ -228,7 +228,7 @@ async def start_outputs(redis_url: str, streams: Sequence[StreamOptions], cfg: O
     options, problems = outputs_options(cfg, environ)
     for problem in problems:
         log.error("%s", problem)
-    runner = OutputsRunner(Redis.from_url(redis_url), caption_tracks(streams), options,
+    runner = OutputsRunner(connect_redis(redis_url), caption_tracks(streams), options,
                            own_redis=True)
     try:
         await runner.start()

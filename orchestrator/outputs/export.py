@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 
 from orchestrator.outputs.archive import build_srt, build_vtt, sort_key
 from orchestrator.outputs.cues import Cue, FinalFilter, final_cues
-from workers.bus import RedisBus, captions_key, status_key
+from workers.bus import RedisBus, captions_key, connect_redis, status_key
 from workers.captions.linebreak import LineProfile
 from workers.events import CaptionSegment
 
@@ -78,7 +78,7 @@ async def known_streams(redis: Redis) -> list[str]:
 async def export_captions(redis_url: str, stream: str, lang: str | None, fmt: Format,
                           profile: LineProfile) -> tuple[str, str, int]:
     """(file text, language, number of finals) for one stream; ExportError on problems."""
-    redis = Redis.from_url(redis_url)
+    redis = connect_redis(redis_url)
     try:
         try:
             await redis.ping()
