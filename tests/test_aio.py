@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from workers.aio import cancel_and_wait, wait_for
+from workers.aio import cancel_and_join, cancel_and_wait, wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -154,3 +154,72 @@ async def test_a_cancel_of_the_caller_of_cancel_and_wait_reaches_it() -> None:
         await asyncio.wait_for(outer, 2)
     release.set()
     await inner
+
+
+async def slow_to_stop(cleaned: asyncio.Event, may_end: asyncio.Event) -> None:
+    """Stops when cancelled, after a clean-up that waits for `may_end`."""
+    try:
+        await asyncio.sleep(60)
+    finally:
+        try:
+            await may_end.wait()
+        finally:
+            cleaned.set()
+
+
+async def test_a_cancel_of_the_caller_of_cancel_and_join_reaches_it() -> None:
+    """The idiom it replaces loses this cancel: the caller's cancel goes to the task being
+    joined, comes back out of `await task` as the task's own, and the suppress eats it."""
+    cleaned, may_end = asyncio.Event(), asyncio.Event()
+
+    async def closer(task: asyncio.Task[None], joined: Callable[[asyncio.Task[None]],
+                                                                Awaitable[None]]) -> str:
+        await joined(task)
+        return "went on"
+
+    async def old_idiom(task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    for joined, caller_cancelled in ((old_idiom, False), (cancel_and_join, True)):
+        cleaned.clear()
+        may_end.clear()
+        task = asyncio.create_task(slow_to_stop(cleaned, may_end))
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(closer(task, joined))
+        await asyncio.sleep(0.05)
+        assert not task.done()  # in its clean-up
+        closing.cancel()
+        await asyncio.sleep(0.05)
+        may_end.set()
+        if caller_cancelled:
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+        else:  # the old idiom: the cancel is lost
+            assert await closing == "went on"
+        await asyncio.wait({task})
+        assert cleaned.is_set()
+
+
+async def test_cancel_and_join_waits_for_the_end_and_drops_what_it_ended_with() -> None:
+    cleaned, may_end = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(slow_to_stop(cleaned, may_end))
+    await asyncio.sleep(0)
+    joining = asyncio.create_task(cancel_and_join(task))
+    await asyncio.sleep(0.05)
+    assert not joining.done()  # the task is still cleaning up
+    may_end.set()
+    await joining
+    assert task.cancelled() and cleaned.is_set()
+
+    async def fails_on_cancel() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise RuntimeError("cleanup failed") from None
+
+    failing = asyncio.create_task(fails_on_cancel())
+    await asyncio.sleep(0)
+    await cancel_and_join(failing)  # the error is dropped, not raised
+    assert isinstance(failing.exception(), RuntimeError)

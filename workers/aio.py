@@ -55,3 +55,21 @@ async def cancel_and_wait(task: asyncio.Task[Any], timeout: float) -> bool:  # n
     if done and not task.cancelled():
         task.exception()  # retrieved: an error it ended with is not logged as unhandled
     return bool(done)
+
+
+async def cancel_and_join(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and wait, with no limit, until it has ended, however it ends; what it
+    ended with is dropped. For a task whose end the caller must see (a session's engine
+    slot is free only then); `cancel_and_wait` for a bounded stop.
+
+    Not `task.cancel()` then `await task` under `suppress(CancelledError)`: a cancel of
+    the caller while it waits there goes to `task` and comes back out of `await task` as
+    the task's own CancelledError, which the suppress then swallows, so the caller goes on
+    as if never cancelled. A session manager whose aclose landed there went on ticking
+    with its stream gone (test_asr_host's restart test hung on CI, 2026-12-02). Here the
+    caller's cancel reaches the caller; `task`, cancelled already, ends on its own.
+    """
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: an error it ended with is not logged as unhandled

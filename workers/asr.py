@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.aio import wait_for
+from workers.aio import cancel_and_join, cancel_and_wait
 from workers.backlog import BacklogGuard
 from workers.bus import RETRYABLE, RedisBus, connect_redis, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
@@ -373,10 +373,8 @@ class _StreamRunner:
                                metric_gauges)
 
     async def stop(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await wait_for(self.task, 5)
+        if self.task is not None and not await cancel_and_wait(self.task, 5):
+            await cancel_and_join(self.task)  # cancelled again; its end still awaited
         if self.session is not None:
             await self.session.aclose()
 
@@ -608,9 +606,7 @@ class AsrHost:
     async def stop(self) -> None:
         for task in (self._reader, self._reporter):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+                await cancel_and_join(task)
         for stream_id in list(self._runners):
             await self.remove_stream(stream_id)
         await self.engine.aclose()

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from workers.aio import wait_for
+from workers.aio import cancel_and_join, cancel_and_wait
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
 log = logging.getLogger(__name__)
@@ -144,13 +144,14 @@ class RecognizeSession(ABC):
     async def aclose(self, grace_s: float = 5.0) -> None:
         if self._task is None:
             return
-        self._task.cancel()
-        # Not workers.aio.cancel_and_wait: past grace_s, wait_for cancels the task again
-        # and still waits for it to end, and a session must not count as closed before
-        # its task has ended. Its engine frees the slot only then, and a successor opened
-        # earlier is refused (test_session_budget's cold rollovers, CI 2026-12-02).
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await wait_for(self._task, grace_s)
+        # Past grace_s the task is cancelled again and its end still awaited: a session
+        # must not count as closed before its task has ended. Its engine frees the slot
+        # only then, and a successor opened earlier is refused (test_session_budget's cold
+        # rollovers, CI 2026-12-02). A cancel of the caller meanwhile reaches the caller
+        # (under suppress(CancelledError) it was lost, and a session manager closing this
+        # session went on running: workers.aio.cancel_and_join).
+        if not await cancel_and_wait(self._task, grace_s):
+            await cancel_and_join(self._task)
         self._task = None
 
 

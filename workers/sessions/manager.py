@@ -37,7 +37,6 @@ export (status fields and metrics); the manager itself does no I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -45,6 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from workers.aio import cancel_and_join
 from workers.engines.agreement import norm
 from workers.engines.base import (
     END,
@@ -226,9 +226,9 @@ class SessionManager(RecognizeSession):
             return
         gen.ended = True
         if gen.task is not None:
-            gen.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await gen.task
+            # Not cancel + `await` under suppress(CancelledError): that swallows a cancel
+            # of this manager arriving meanwhile, and the manager went on ticking.
+            await cancel_and_join(gen.task)
         await gen.session.aclose()
 
     async def _feed(self, gen: _Gen, chunk: AudioChunk) -> None:
@@ -549,9 +549,7 @@ class SessionManager(RecognizeSession):
                             gen, item = get_out.result()
                             await self._on_output(gen, item)
                         else:
-                            get_out.cancel()
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await get_out
+                            await cancel_and_join(get_out)
                         await self._finish()
                         return
                     get_in = asyncio.create_task(inputs.get())
