@@ -113,6 +113,7 @@ sys.path.insert(0, str(ROOT))
 
 from workers.engines import vad  # noqa: E402
 from workers.engines.base import SessionOptions  # noqa: E402
+from workers.engines.mps import mps_servers  # noqa: E402
 from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV  # noqa: E402
 from workers.engines.vllm_voxtral import (  # noqa: E402
     VllmEngineOptions,
@@ -1373,21 +1374,6 @@ def host_fingerprint() -> dict[str, Any]:
                               "--format=csv,noheader"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
     return {"cpu": model, "cores": os.cpu_count(), "gpu": gpu, "mps": mps_servers()}
-
-
-def mps_servers() -> list[str] | None:
-    """The MPS servers an MPS control daemon reports (`scripts/h200.sh` with MPS=1), or
-    None without one. Without MPS the GPU runs one process's kernels at a time, switching
-    between the engines' contexts; under MPS their kernels can run side by side, which
-    is what engines with small batches (~12 requests a step) leave room for."""
-    if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-        return None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["nvidia-cuda-mps-control"], input="get_server_list\n",
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0:
-            return out.stdout.split()
-    return None
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             direct_input=v.direct_input, kv_cache_dtype=v.kv_cache_dtype,
             sync_free_melspec=v.sync_free_melspec,
             incremental_token_writes=v.incremental_token_writes,
-            window_trim=v.window_trim,
+            window_trim=v.window_trim, engines_per_gpu=v.engines_per_gpu,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None

@@ -128,23 +128,6 @@ def test_front_end_one_is_sized_for_every_session_only_when_a_one_engine_config_
     assert [size(f, mixed, 96, shared=True) for f in (1, 4)] == [48, 48]
 
 
-def test_the_host_says_which_mps_servers_ran(tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """STAND-IN `nvidia-cuda-mps-control` (no GPU here): it answers `get_server_list` as
-    the real one does, one server PID per line; without MPS's pipe folder, no MPS."""
-    control = tmp_path / "nvidia-cuda-mps-control"
-    control.write_text('#!/bin/sh\nread cmd; [ "$cmd" = get_server_list ] && echo 4242\n')
-    control.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    assert capacity.mps_servers() is None
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
-    assert capacity.mps_servers() == ["4242"]
-    assert capacity.host_fingerprint()["mps"] == ["4242"]
-    control.write_text("#!/bin/sh\nexit 1\n")  # no daemon answers
-    assert capacity.mps_servers() is None
-
-
 def test_the_stock_path_is_always_fed_as_vllm_serves_it() -> None:
     assert feed_of("stock", production=True, age_frames=750) == "plain"
     assert feed_of("project-direct", production=True, age_frames=0) == "production"

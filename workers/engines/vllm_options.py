@@ -90,6 +90,9 @@ class VllmEngineOptions:
     decode step reads exactly its window with FA3's plain causal kernel, 1.38-1.81 × vLLM's
     call on an aged fp8 decoder layer; 11-15 points less GPU busy at 96 aged, no capacity
     gain shown: the engine core's CPU bounds it there), else "blocks"."""
+    engines_per_gpu: int = 1
+    """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
+    one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""
     torch_profiler_dir: str | None = None
     """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
     writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`

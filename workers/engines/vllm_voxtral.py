@@ -52,6 +52,7 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
+from workers.engines.mps import mps_advice, mps_servers
 from workers.engines.vllm_options import (  # re-exported: the engine's public names
     AHEAD_FRAMES,
     DEFAULT_GEOMETRY,
@@ -288,6 +289,8 @@ class VllmVoxtralEngine(SpeechEngine):
         self.max_sessions = options.max_streams + headroom(options)
         self.sessions_open = 0
         self.aborts = 0
+        self.mps: list[str] | None = None
+        """CUDA MPS servers on this GPU node at start (workers/engines/mps.py); None: none."""
         self.slot_refusals = 0
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
@@ -314,6 +317,10 @@ class VllmVoxtralEngine(SpeechEngine):
         return self._backend
 
     async def start(self) -> None:
+        self.mps = await asyncio.to_thread(mps_servers)
+        advice = mps_advice(self.options.engines_per_gpu, self.mps)
+        if advice:
+            log.warning("vllm engine: %s", advice)
         if self._backend is not None:
             self._start_stats()
             return
@@ -421,6 +428,7 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
                                      if self.window_trim.get("on") else "vllm"),
+                "engine_mps": "off" if self.mps is None else "on",
                 **({"engine_kv_sessions": str(self.kv_sessions)}
                    if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}
