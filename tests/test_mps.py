@@ -1,7 +1,9 @@
 """CUDA MPS: whether its control daemon answers, and what a vllm engine that shares its
 GPU says without it. No GPU here: the control binary is a STAND-IN script that answers
-`get_server_list` as the real one does (one server PID per line; it answered so on the
-H200 on 2026-12-03), and the engine runs on the fake backend (tests/fake_vllm.py)."""
+`get_server_list` as the real one did on the H200 on 2026-12-03: exit 1 with no daemon
+("Cannot find MPS control daemon process"), exit 0 and nothing before any client, one
+server PID per line once a CUDA process runs. The engine runs on the fake backend
+(tests/fake_vllm.py)."""
 
 from __future__ import annotations
 
