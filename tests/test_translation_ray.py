@@ -33,7 +33,7 @@ event: translators
 redis: {{url: "{url}"}}
 streams:
   - {{id: talk, source: push, language: en, targets: [es, pt]}}
-translation: {{actors: 2, batch_size: 8, claim_idle_s: 2}}
+translation: {{actors: 2, batch_size: 8, claim_idle_s: 2, timeout_s: 60}}
 glossary:
   - {{term: Dashwood, keep: true}}
 """

@@ -21,7 +21,13 @@ from typing import Any, Protocol
 from redis.asyncio import Redis
 
 from translation.backends import BackendSettings, Routes, build
-from translation.backends.base import BackendError, Result, TranslationRequest, Translator
+from translation.backends.base import (
+    BackendError,
+    BackendTimeout,
+    Result,
+    TranslationRequest,
+    Translator,
+)
 from translation.glossary import Glossary, GlossaryTerm
 from translation.jobs import Delivery, JobQueue
 from workers.aio import wait_for
@@ -197,7 +203,7 @@ class TranslationHost:
                                      self.options.job_timeout_s)
         except Exception as exc:
             if isinstance(exc, TimeoutError):
-                exc = BackendError(f"{name} timed out after {self.options.job_timeout_s} s")
+                exc = BackendTimeout(f"{name} timed out after {self.options.job_timeout_s} s")
             results = [exc] * len(group)
         for it, res in zip(group, results, strict=True):
             it.result = res

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from translation.backends.base import BackendError, SentenceEngine
+from translation.backends.base import BackendError, BackendTimeout, SentenceEngine
 from workers.aio import wait_for
 
 MODES_DIR = Path("/usr/share/apertium/modes")
@@ -80,7 +80,8 @@ class ApertiumTranslator(SentenceEngine):
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                raise BackendError(f"apertium {mode} timed out after {self.timeout_s} s") from None
+                raise BackendTimeout(
+                    f"apertium {mode} timed out after {self.timeout_s} s") from None
         if proc.returncode != 0:
             raise BackendError(f"apertium {mode} exited {proc.returncode}: "
                                f"{err.decode(errors='replace').strip()[:200]}")

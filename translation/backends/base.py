@@ -19,6 +19,11 @@ class BackendError(RuntimeError):
     """A backend could not translate a request (after its own retries)."""
 
 
+class BackendTimeout(BackendError):
+    """A backend took longer than its bound: a load problem, not a broken backend. Its own
+    type so that a published error (`"{backend}: BackendTimeout"`) tells the two apart."""
+
+
 @dataclass(frozen=True, slots=True)
 class TranslationRequest:
     text: str

@@ -11,7 +11,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from translation.backends.base import BackendError, SentenceEngine
+from translation.backends.base import BackendError, BackendTimeout, SentenceEngine
 from workers.aio import wait_for
 
 DIRECTIONS = {("en", "pt"): "en-pt", ("pt", "en"): "pt-en"}
@@ -63,5 +63,5 @@ class BergamotTranslator(SentenceEngine):
         try:
             outs = await wait_for(asyncio.gather(*futures), self.timeout_s)
         except TimeoutError:
-            raise BackendError(f"bergamot timed out after {self.timeout_s} s") from None
+            raise BackendTimeout(f"bergamot timed out after {self.timeout_s} s") from None
         return [str(o) for o in outs]
