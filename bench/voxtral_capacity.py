@@ -66,7 +66,10 @@ Like production:
   first phase (VAD helpers too, which no lever touches) up to 18 % higher. A lever
   switched mid-phase leaves the backlog of the window before it: a window above real
   time catches up, so its frames/s may read above 12.5; below real time it reads its
-  capacity. Not yet run on the H200.
+  capacity. Not yet run on the H200. `+pin` (each engine-core process on a physical core
+  of its own, everything else off those cores) switches the same way. Each
+  configuration's row also gives every front end's (engine's) real-time sessions, p50 and
+  engine-core CPU; a plain phase's row has them in `by_front_end`.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -xN
   group, so N engines share the GPU's memory as `engines_per_gpu: N` would.
 - `--max-model-len 16384`: the engine's production default (re-anchoring keeps sessions
@@ -156,11 +159,17 @@ TRIM = "+trim"
 KEYS = "+keys"
 """…with FlashAttention handed only the keys each window sees (engine.vllm.window_trim
 "keys"), switched per phase the same way."""
-LEVERS = (MELSPEC, TOKENS, TRIM, KEYS)
+PIN = "+pin"
+"""…with each engine-core process on a physical core of its own (both of its hardware
+threads) and the front ends and VAD helpers off those cores, switched per phase (or per
+window of an in-phase A/B) from the front-end processes. Not an engine-core lever: the
+host's scheduler is. Under MPS three engine cores each used a whole CPU at 112 aged and
+the phase held two engines' sessions of three (2026-12-03)."""
+LEVERS = (MELSPEC, TOKENS, TRIM, KEYS, PIN)
 CONFIGS = ("stock", *_PROJECT,
-           *(f"{c}{s}" for c in _PROJECT
+           *(f"{c}{s}{p}" for c in _PROJECT
              for s in (MELSPEC, TOKENS, MELSPEC + TOKENS, MELSPEC + TOKENS + TRIM,
-                       MELSPEC + TOKENS + KEYS)))
+                       MELSPEC + TOKENS + KEYS) for p in ("", PIN)))
 
 
 def trim_of(config: str) -> str | bool:
@@ -169,7 +178,8 @@ def trim_of(config: str) -> str | bool:
 
 
 def base_of(config: str) -> str:
-    """The configuration without its engine-core levers (`+melspec`, `+tokens`, `+trim`)."""
+    """The configuration without its levers (`+melspec`, `+tokens`, `+trim`, `+keys`,
+    `+pin`)."""
     while True:
         lever = next((x for x in LEVERS if config.endswith(x)), None)
         if lever is None:
@@ -655,6 +665,12 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         if cmd.get("trim") and trim.get("mode") != cmd.get("trim"):
             conn.send({"error": f"window-trimmed attention refused: {trim.get('why_not')}"})
             continue
+        pin_at = tuple(cmd.get("pin_at") or (0, 1))
+        try:  # before the phase's VAD helpers start: they inherit this process's CPUs
+            pinned = pin_cpus(bool(cmd.get("pin")), *pin_at)
+        except RuntimeError as exc:
+            conn.send({"error": f"pinning refused: {exc}"})
+            continue
         if path == "stock":
             starter: Callable[[int], Awaitable[Handle]] = theirs
         elif feed == "production":
@@ -706,7 +722,8 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             async def starter(i: int, direct: bool = direct) -> Handle:
                 return await ours(i, direct)
         segments: list[Callable[[], Awaitable[Any]]] = [
-            functools.partial(set_levers, backend, lv) for lv in cmd.get("segments") or []]
+            functools.partial(set_levers, backend, lv, pin_at)
+            for lv in cmd.get("segments") or []]
 
         async def sync() -> None:  # the orchestrator answers once every front end is here
             conn.send({"ready": True})
@@ -724,6 +741,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
             result["window_trim"] = trim.get("mode") or False
+            result["pin"] = pinned
             conn.send(result)
         except Exception as exc:
             conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -736,11 +754,13 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
     conn.send({"stopped": True})
 
 
-async def set_levers(backend: Any, levers: dict[str, Any]) -> dict[str, Any]:
+async def set_levers(backend: Any, levers: dict[str, Any],
+                     pin_at: tuple[int, ...] = (0, 1)) -> dict[str, Any]:
     """Switch the engine core's three levers to `levers` (melspec, tokens: bool; trim:
-    False, "blocks" or "keys") and say what runs; a lever that will not switch fails the
-    window (an A/B whose B did not run is no A/B)."""
-    said: dict[str, Any] = {}
+    False, "blocks" or "keys"), and pinning (`pin`, this front end's slot of `pin_at`), and
+    say what runs; a lever that will not switch fails the window (an A/B whose B did not
+    run is no A/B)."""
+    said: dict[str, Any] = {"pin": bool(pin_cpus(bool(levers.get("pin")), *pin_at))}
     for setter, key in (("set_melspec", "melspec"), ("set_token_writes", "tokens"),
                         ("set_window_trim", "trim")):
         want = levers.get(key) or False
@@ -750,6 +770,73 @@ async def set_levers(backend: Any, levers: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"{key} {want!r} refused: {answer.get('why_not')}")
         said[key] = got
     return said
+
+
+_USABLE_CPUS: set[int] = set()
+
+
+def cpu_groups(usable: set[int]) -> list[list[int]]:
+    """The usable CPUs grouped by physical core (hardware-thread siblings), in CPU order."""
+    groups: dict[str, list[int]] = {}
+    for cpu in sorted(usable):
+        try:
+            key = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+                       "thread_siblings_list").read_text().strip()
+        except OSError:
+            key = str(cpu)
+        groups.setdefault(key, []).append(cpu)
+    return sorted(groups.values())
+
+
+def pin_plan(slot: int, of: int, usable: set[int]) -> tuple[set[int], set[int]]:
+    """(the CPUs of engine core `slot` of `of`, the CPUs everything else keeps): engines
+    take whole physical cores from the top (CPU 0 takes the interrupts), the rest keep
+    every other core."""
+    groups = cpu_groups(usable)
+    if len(groups) < of + 2:
+        raise RuntimeError(f"{len(groups)} physical cores cannot give {of} engine cores one "
+                           "each and keep two for the rest")
+    mine = set(groups[len(groups) - 1 - slot])
+    rest = usable - {c for g in groups[len(groups) - of:] for c in g}
+    return mine, rest
+
+
+def _set_cpus(pid: int, cpus: set[int]) -> int:
+    """Every thread of `pid` onto `cpus` (affinity is per thread; new threads inherit
+    their creator's); the threads set."""
+    done = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), cpus)
+                done += 1
+    return done
+
+
+def pin_cpus(on: bool, slot: int, of: int) -> list[int] | bool:
+    """From a front-end process: with `on`, its engine-core process onto a physical core of
+    its own (`pin_plan`) and this process and its other children (VAD helpers) off every
+    engine's core; else all of them back onto the CPUs the process started with. Returns
+    the engine core's CPUs, or False."""
+    import psutil
+
+    if not _USABLE_CPUS:
+        _USABLE_CPUS.update(os.sched_getaffinity(0))
+    usable = set(_USABLE_CPUS)
+    mine, rest = pin_plan(slot, of, usable) if on else (usable, usable)
+    cores = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            name = " ".join([child.name(), *child.cmdline()])
+        except psutil.Error:
+            continue
+        is_core = "EngineCore" in name
+        cores += is_core
+        _set_cpus(child.pid, mine if is_core else rest)
+    if on and not cores:
+        raise RuntimeError("no engine-core process among this front end's children")
+    _set_cpus(os.getpid(), rest)
+    return sorted(mine) if on else False
 
 
 async def until_aged(done: Awaitable[Any], steps: Callable[[], int],
@@ -806,11 +893,13 @@ class FrontEnd:
                     profile: str | None = None, melspec: bool = False,
                     tokens: bool = False, trim: bool | str = False,
                     segments: list[dict[str, Any]] | None = None,
-                    barrier: asyncio.Barrier | None = None) -> dict[str, Any]:
+                    barrier: asyncio.Barrier | None = None, pin: bool = False,
+                    pin_at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
                         "melspec": melspec, "tokens": tokens, "trim": trim,
+                        "pin": pin, "pin_at": list(pin_at),
                         "segments": segments, "sync": barrier is not None})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if barrier is not None and "ready" in result:  # aged: start the windows together
@@ -1011,8 +1100,9 @@ def feed_of(config: str, production: bool, age_frames: int) -> str:
 
 
 def levers_of(config: str) -> dict[str, Any]:
-    """The engine-core levers a configuration's phases run."""
-    return {"melspec": MELSPEC in config, "tokens": TOKENS in config, "trim": trim_of(config)}
+    """The levers a configuration's phases run (the engine core's three, and pinning)."""
+    return {"melspec": MELSPEC in config, "tokens": TOKENS in config, "trim": trim_of(config),
+            "pin": PIN in config}
 
 
 def ab_refusal(configs: list[str], windows: int) -> str | None:
@@ -1020,7 +1110,7 @@ def ab_refusal(configs: list[str], windows: int) -> str | None:
     if len(configs) < 2:
         return "needs two or more of the project's configurations"
     if len({base_of(c) for c in configs}) != 1:
-        return "the configurations must differ only in +melspec, +tokens, +trim or +keys"
+        return "the configurations must differ only in +melspec, +tokens, +trim, +keys or +pin"
     if len({json.dumps(levers_of(c), sort_keys=True) for c in configs}) != len(configs):
         return "two configurations run the same levers"
     if windows < 2 * len(configs):
@@ -1065,7 +1155,20 @@ def ab_rows(configs: list[str], answers: list[dict[str, Any]], share: list[int],
             "gpu_util_p50": round(statistics.median(busy), 1) if busy else None,
             "windows": [j + 1 for j in mine], "levers": answers[0]["segments"][mine[0]]["said"],
             "frames_per_s_p50_by_window": [round(statistics.median(
-                [x for a in answers for x in a["segments"][j]["fps"]]), 2) for j in mine]}
+                [x for a in answers for x in a["segments"][j]["fps"]]), 2) for j in mine],
+            # per front end (engine), in `answers` order: its sessions real time, and its p50
+            "realtime_by_front_end": [
+                sum(1 for i in range(len(a["segments"][0]["fps"]))
+                    if statistics.fmean(a["segments"][j]["fps"][i] for j in mine)
+                    >= REALTIME_FPS) for a in answers],
+            "frames_per_s_p50_by_front_end": [
+                round(statistics.median(statistics.fmean(a["segments"][j]["fps"][i]
+                                                         for j in mine)
+                                        for i in range(len(a["segments"][0]["fps"]))), 2)
+                for a in answers],
+            "engine_core_us_per_chunk_by_front_end": [
+                round(statistics.fmean(a["segments"][j]["engine_core_us_per_chunk"]
+                                       for j in mine), 1) for a in answers]}
     return rows
 
 
@@ -1098,8 +1201,9 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
                         str(Path(profile_dir) / f"{tag.replace('+', '_')}-fe{f}.txt")
                         if profile_dir else None,
                         melspec=levers["melspec"], tokens=levers["tokens"],
-                        trim=levers["trim"], segments=segments, barrier=barrier)
-        for (f, p), k, first in zip(parts, share, firsts, strict=True)),
+                        trim=levers["trim"], segments=segments, barrier=barrier,
+                        pin=levers["pin"], pin_at=(slot, len(parts)))
+        for slot, ((f, p), k, first) in enumerate(zip(parts, share, firsts, strict=True))),
         return_exceptions=True)
     stop.set()
     await util_task
@@ -1131,12 +1235,34 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "token_writes_incremental": all(r.get("token_writes") for r in results),
         "window_trim": (results[0].get("window_trim") or False
                         if len({r.get("window_trim") for r in results}) == 1 else "mixed"),
+        "pinned": {f"fe{f}": r.get("pin") for (f, _), r in zip(parts, results, strict=True)},
         "gpu_util_p50": round(statistics.median(util), 1) if util else None,
+        "by_front_end": by_front_end(parts, share, results),
         **({"gpu_profile": await asyncio.to_thread(gpu_profiles, {
             f"fe{f}": r.get("gpu_trace") for (f, _), r in zip(parts, results, strict=True)})}
            if profile_dir and any("gpu_trace" in r for r in results) else {}),
         **({"ab": ab_rows(ab, results, share, util, stamps)} if ab else {}),
     }
+
+
+def by_front_end(parts: list[tuple[int, str]], share: list[int],
+                 results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each engine's own sessions: with several engines a phase's real-time share can hide
+    that one engine lags while the others keep up (112 aged under MPS: 75 of 112, two
+    engines' worth, 2026-12-03), and only this says which and why."""
+    rows = []
+    for (f, _), k, r in zip(parts, share, results, strict=True):
+        fps = r["fps"]
+        rows.append({
+            "front_end": f, "streams": k,
+            "realtime_streams": sum(1 for x in fps if x >= REALTIME_FPS),
+            "frames_per_s_p50": round(statistics.median(fps), 2) if fps else None,
+            "frames_per_s_min": round(min(fps), 2) if fps else None,
+            "front_end_us_per_chunk": round(r["front_end_us_per_chunk"], 1),
+            "engine_core_us_per_chunk": round(r["engine_core_us_per_chunk"], 1),
+            "helpers_us_per_chunk": round(r["helpers_us_per_chunk"], 1),
+            "aged_in_s": r.get("aged_in_s")})
+    return rows
 
 
 def knees(levels: dict[int, dict[str, list[dict[str, Any]]]], configs: list[str]
@@ -1373,7 +1499,20 @@ def host_fingerprint() -> dict[str, Any]:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
-    return {"cpu": model, "cores": os.cpu_count(), "gpu": gpu, "mps": mps_servers()}
+    return {"cpu": model, "cores": os.cpu_count(), **cpu_topology(), "gpu": gpu,
+            "mps": mps_servers()}
+
+
+def cpu_topology() -> dict[str, Any]:
+    """Physical cores behind the logical CPUs this process may use: three engine cores,
+    their front ends and VAD helpers on 16 hyperthreads of 8 cores are not on 16 cores."""
+    usable = sorted(os.sched_getaffinity(0))
+    cores: set[str] = set()
+    for cpu in usable:
+        with contextlib.suppress(OSError):
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+                           "thread_siblings_list").read_text().strip())
+    return {"usable_cpus": len(usable), "physical_cores": len(cores) or None}
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -476,6 +476,75 @@ async def test_a_failing_front_end_does_not_leave_the_others_answer_on_the_pipe(
     assert (await capacity.run_config(fronts, "project-direct-x2", 2, 1.0))["realtime_share"] == 1.0
 
 
+def test_a_phase_says_which_engine_lagged() -> None:
+    """Two engines of three real time reads as 67 % for the phase; the breakdown names the
+    third and its own CPU per chunk."""
+    parts = capacity.plan("project-direct-x3", shared=True)
+    results = [{"fps": fps, "backlog_s": [0.1] * len(fps), "front_end_us_per_chunk": 1000.0,
+                "engine_core_us_per_chunk": core, "helpers_us_per_chunk": 600.0,
+                "aged_in_s": 90.0}
+               for fps, core in (([12.4, 12.5], 1800.0), ([12.3, 12.4], 1900.0),
+                                 ([10.6, 11.9], 2600.0))]
+    rows = capacity.by_front_end(parts, [2, 2, 2], results)
+    assert [r["front_end"] for r in rows] == [1, 2, 3]
+    assert [r["realtime_streams"] for r in rows] == [2, 2, 0]
+    assert rows[2]["frames_per_s_min"] == 10.6 and rows[2]["engine_core_us_per_chunk"] == 2600.0
+
+
+def test_pinning_gives_each_engine_core_a_physical_core_from_the_top(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight cores of two hardware threads: three engine cores take cores 7, 6 and 5 (both
+    threads each); everything else keeps cores 0-4. Too few cores is refused, not bent."""
+    groups = [[c, c + 8] for c in range(8)]
+    monkeypatch.setattr(capacity, "cpu_groups", lambda usable: groups)
+    usable = set(range(16))
+    plans = [capacity.pin_plan(slot, 3, usable) for slot in range(3)]
+    assert [sorted(m) for m, _ in plans] == [[7, 15], [6, 14], [5, 13]]
+    assert all(r == {0, 1, 2, 3, 4, 8, 9, 10, 11, 12} for _, r in plans)
+    with pytest.raises(RuntimeError, match="8 physical cores cannot give 7"):
+        capacity.pin_plan(0, 7, usable)
+
+
+def test_pinning_moves_every_thread_of_a_process_and_back() -> None:
+    """Affinity is per thread: a process's threads that already run move too."""
+    import threading
+
+    first = min(os.sched_getaffinity(0))
+    everything = os.sched_getaffinity(0)
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import threading, time\n"
+                              "t = threading.Thread(target=time.sleep, args=(30,))\n"
+                              "t.start(); print('up', flush=True); t.join()"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
+        assert len(tids) == 2
+        assert capacity._set_cpus(child.pid, {first}) == 2
+        assert all(os.sched_getaffinity(t) == {first} for t in tids)
+        capacity._set_cpus(child.pid, everything)
+        assert all(os.sched_getaffinity(t) == everything for t in tids)
+    finally:
+        child.kill()
+        child.wait()
+    assert threading.current_thread() is threading.main_thread()
+
+
+def test_a_pin_configuration_is_an_ab_partner_of_its_unpinned_self() -> None:
+    config = "project-direct-x3+melspec+tokens+keys"
+    assert config + capacity.PIN in capacity.CONFIGS
+    assert capacity.base_of(config + capacity.PIN) == "project-direct-x3"
+    assert capacity.levers_of(config + capacity.PIN)["pin"] is True
+    assert capacity.levers_of(config)["pin"] is False
+    assert capacity.ab_refusal([config, config + capacity.PIN], 4) is None
+
+
+def test_the_host_fingerprint_counts_physical_cores() -> None:
+    topo = capacity.cpu_topology()
+    assert topo["usable_cpus"] == len(os.sched_getaffinity(0))
+    assert 1 <= topo["physical_cores"] <= topo["usable_cpus"]
+
+
 def test_a_stock_path_that_misses_the_first_level_still_gives_a_floor_for_the_ratio() -> None:
     """Stock held none of the first level: its knee is below it, so the project's ratio
     is more than knee / first level (the H200 runs: stock 0 % at 96, the project ≥ 128)."""
@@ -508,8 +577,8 @@ def test_an_in_phase_ab_takes_configurations_that_differ_only_in_their_levers() 
                     "project-direct-x2+melspec+tokens+trim")
     assert capacity.ab_refusal([keys, blocks], 4) is None
     assert capacity.ab_windows([keys, blocks], 4) == [
-        {"melspec": True, "tokens": True, "trim": "keys"},
-        {"melspec": True, "tokens": True, "trim": "blocks"}] * 2
+        {"melspec": True, "tokens": True, "trim": "keys", "pin": False},
+        {"melspec": True, "tokens": True, "trim": "blocks", "pin": False}] * 2
     assert "differ only" in str(capacity.ab_refusal([keys, "project-x2+melspec+tokens+keys"], 4))
     assert "fewer than two" in str(capacity.ab_refusal([keys, blocks], 3))
     assert "two or more" in str(capacity.ab_refusal([keys], 4))
@@ -574,6 +643,8 @@ def test_ab_rows_give_each_configuration_its_own_windows() -> None:
     assert a["gpu_util_p50"] == 90.5 and b["gpu_util_p50"] == 70.5
     assert a["front_end_us_per_chunk"] == 100.0 and b["front_end_us_per_chunk"] == 200.0
     assert a["levers"] == "A" and b["levers"] == "B"
+    assert a["realtime_by_front_end"] == [2, 1] and b["realtime_by_front_end"] == [0, 0]
+    assert b["frames_per_s_p50_by_front_end"] == [10.15, 9.1]
 
 
 async def test_front_ends_of_an_ab_start_their_windows_together() -> None:
