@@ -1213,7 +1213,11 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
     results: list[dict[str, Any]] = [a for a in answers if isinstance(a, dict)]
     # GPU use of the measured window only (not ageing, not warm-up)
     measured_from = t_start + max(r.get("aged_in_s", 0.0) for r in results) + WARM_S
-    util = [u for u, t in zip(util, stamps, strict=True) if t >= measured_from] or util
+    # the samples and their stamps stay pairs: the A/B's rows pick theirs by stamp (the
+    # samples alone filtered here failed the first aged A/B on the H200, 2026-12-03)
+    kept = [(u, t) for u, t in zip(util, stamps, strict=True) if t >= measured_from]
+    if kept:
+        util, stamps = [u for u, _ in kept], [t for _, t in kept]
     fps = [x for r in results for x in r["fps"]]
     backlog = sorted(x for r in results for x in r["backlog_s"])
     realtime = sum(1 for x in fps if x >= REALTIME_FPS)

@@ -545,6 +545,45 @@ def test_the_host_fingerprint_counts_physical_cores() -> None:
     assert 1 <= topo["physical_cores"] <= topo["usable_cpus"]
 
 
+async def test_an_aged_ab_phase_keeps_its_gpu_samples_paired_with_their_stamps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first aged A/B on the H200 lost its whole phase to "zip() argument 2 is longer
+    than argument 1": the GPU samples of the ageing were dropped and their stamps kept.
+    STAND-INS: the front ends' pipe side, and GPU samples (ageing 10 %, windows 80/90 %)."""
+    monkeypatch.setattr(capacity, "WARM_S", 0.0)
+
+    async def gpu(stop: asyncio.Event, out: list[float], stamps: list[float]) -> None:
+        t = time.monotonic()
+        for dt, u in ((0.0, 10.0), (0.05, 10.0), (0.5, 80.0), (1.5, 90.0)):
+            out.append(u)
+            stamps.append(t + dt)
+        await stop.wait()
+
+    monkeypatch.setattr(capacity, "_gpu_util", gpu)
+
+    def window(t0: float, fps: float, said: dict[str, Any]) -> dict[str, Any]:
+        return {"t0": t0, "t1": t0 + 1.0, "fps": [fps, fps], "said": said,
+                "front_end_us_per_chunk": 1.0, "engine_core_us_per_chunk": 2.0,
+                "helpers_us_per_chunk": 0.5}
+
+    class Front:
+        async def phase(self, *_: Any, segments: Any = None, **__: Any) -> dict[str, Any]:
+            t = time.monotonic()
+            await asyncio.sleep(0.05)
+            return {"fps": [12.5, 12.5], "backlog_s": [0.1, 0.1], "aged_in_s": 0.3,
+                    "front_end_us_per_chunk": 1.0, "engine_core_us_per_chunk": 2.0,
+                    "helpers_us_per_chunk": 0.5,
+                    "segments": [window(t + 0.4, 12.5, segments[0]),
+                                 window(t + 1.4, 11.0, segments[1])]}
+
+    fronts: Any = {1: Front(), 2: Front()}
+    a, b = "project-direct-x2+melspec", "project-direct-x2+melspec+pin"
+    row = await capacity.run_config(fronts, a, 4, 1.0, ab=[a, b], windows=2)
+    assert row["ab"][a]["gpu_util_p50"] == 80.0 and row["ab"][b]["gpu_util_p50"] == 90.0
+    assert row["ab"][a]["realtime_share"] == 1.0 and row["ab"][b]["realtime_share"] == 0.0
+    assert row["gpu_util_p50"] == 85.0  # the ageing's 10 % samples are not the phase's
+
+
 def test_a_stock_path_that_misses_the_first_level_still_gives_a_floor_for_the_ratio() -> None:
     """Stock held none of the first level: its knee is below it, so the project's ratio
     is more than knee / first level (the H200 runs: stock 0 % at 96, the project ≥ 128)."""
