@@ -35,6 +35,13 @@ for sessions aged 30 minutes on an H200 (16-core Xeon host), per engine:
   (2026-12-02, one run, py-spy running; 12.58 frames/s p50, minimum 12.01, GPU 98.5 %); 112
   did not (9.86 frames/s, GPU 100 %). 34 per engine is 102 per GPU. An aged session holds
   78 blocks of the 3,871 such an engine has, so KV allows ~49.
+- fp8 KV cache, three engines per GPU, under CUDA MPS (`cuda_mps: true`: the operator runs
+  MPS's daemon on the GPU nodes, and an engine without it refuses to start):
+  `VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR`, 36. The same three engines held 110 sessions aged
+  30 minutes under MPS (2026-12-03, one run, in-phase A/B of CPU pinning: 108 of 110 real
+  time in the unpinned windows, 110 of 110 in the pinned ones and over the whole 43 s
+  phase, 12.62 frames/s p50, GPU 85 %). 36 per engine is 108 per GPU. Without MPS 112
+  made 9.58 frames/s and 0 of 112; with it 12.15 and 75 of 112.
 - Four or more engines per GPU: each has less KV cache than was measured, so the bf16
   figure stays, and an operator sets `engine.streams_per_actor` from their own run.
 
@@ -50,6 +57,7 @@ REALTIME_STREAMS_PER_CORE = {"whisper-base": 1.5, "tiny.en": 3.0}
 VLLM_STREAMS_PER_ACTOR = 18
 VLLM_FP8_STREAMS_PER_ACTOR = 36
 VLLM_FP8_X3_STREAMS_PER_ACTOR = 34
+VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR = 36
 
 
 def vllm_streams_per_actor(vllm: object) -> int:
@@ -61,7 +69,8 @@ def vllm_streams_per_actor(vllm: object) -> int:
         if engines <= 2:
             return VLLM_FP8_STREAMS_PER_ACTOR
         if engines == 3:
-            return VLLM_FP8_X3_STREAMS_PER_ACTOR
+            return (VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR if section.get("cuda_mps") is True
+                    else VLLM_FP8_X3_STREAMS_PER_ACTOR)
     return VLLM_STREAMS_PER_ACTOR
 
 

@@ -193,6 +193,14 @@ class VllmConfig(_Strict):
                     "(bench.voxtral_capacity, README). Run CUDA MPS on the GPU node when "
                     "engines share a GPU: three at 112 aged made 12.15 frames/s per session "
                     "with it, 9.58 without (README, CUDA MPS)")
+    cuda_mps: bool = Field(
+        default=False,
+        description="the GPU nodes run CUDA MPS (their operator starts "
+                    "`nvidia-cuda-mps-control -d` before Ray starts the actors): an engine "
+                    "whose node has no MPS daemon answering refuses to start instead of "
+                    "running slower than its budget, and with fp8 and three engines per GPU "
+                    "the default streams_per_actor is the knee measured under MPS, 36 (110 "
+                    "sessions aged 30 min held per H200, 2026-12-03; 34 without)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "

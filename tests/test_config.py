@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from orchestrator.capacity import (
     REALTIME_STREAMS_PER_CORE,
     VLLM_FP8_STREAMS_PER_ACTOR,
+    VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR,
     VLLM_FP8_X3_STREAMS_PER_ACTOR,
     VLLM_STREAMS_PER_ACTOR,
     default_streams_per_actor,
@@ -385,6 +386,11 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 2") == 36
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3") == VLLM_FP8_X3_STREAMS_PER_ACTOR == 34
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 4") == 18
+    # three under CUDA MPS (the operator says the nodes run it): the knee measured there
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true") \
+        == VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR == 36
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: false") == 34
+    assert vllm("kv_cache_dtype: auto, engines_per_gpu: 3, cuda_mps: true") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 2") == 18
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m, streams_per_actor: 5, "
                       "vllm: {kv_cache_dtype: fp8}}\nstreams: [{id: a, source: push}]")
@@ -399,6 +405,11 @@ def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
                 "streams:\n  - {id: a, source: push}\n")
     opts = engine_options(load_event(cfg))
     assert opts.gpu_memory_utilization == 0.45  # type: ignore[union-attr]
+    assert opts.cuda_mps is False  # type: ignore[union-attr]
+    cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n"
+                "  vllm:\n    engines_per_gpu: 3\n    cuda_mps: true\n"
+                "streams:\n  - {id: a, source: push}\n")
+    assert engine_options(load_event(cfg)).cuda_mps is True  # type: ignore[union-attr]
     cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
                 "    engines_per_gpu: 0\nstreams:\n  - {id: a, source: push}\n")
     with pytest.raises(ConfigError) as err:

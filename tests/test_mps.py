@@ -16,6 +16,7 @@ import pytest
 
 from bench import voxtral_capacity as capacity
 from tests.fake_vllm import FakeVllmBackend
+from workers.engines.base import EngineError
 from workers.engines.mps import CONTROL, mps_advice, mps_servers
 from workers.engines.vllm_voxtral import StreamGeometry, VllmEngineOptions, VllmVoxtralEngine
 
@@ -81,3 +82,32 @@ def test_the_engine_says_whether_it_runs_under_mps(
     assert described["engine_mps"] == ("on" if answers else "off")
     told = [r.getMessage() for r in caplog.records if "without CUDA MPS" in r.getMessage()]
     assert len(told) == (0 if answers else 1)
+
+
+def test_an_engine_told_the_node_runs_mps_refuses_to_start_without_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`engine.vllm.cuda_mps: true` buys a budget measured under MPS (36 per engine, three
+    per GPU): without a daemon that engine would lag, so it does not start, and says why."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no daemon answers
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/run/mps-here")
+
+    def engine() -> VllmVoxtralEngine:
+        return VllmVoxtralEngine(
+            VllmEngineOptions(model="/m", engines_per_gpu=3, reanchor="off", cuda_mps=True),
+            backend=FakeVllmBackend(), geometry=StreamGeometry(0.48, 32, 17))
+
+    refused = engine()
+    with pytest.raises(EngineError, match="cuda_mps is on but no CUDA MPS control daemon "
+                                          r"answers.*/run/mps-here"):
+        asyncio.run(asyncio.wait_for(refused.start(), 20))
+    stand_in(tmp_path, ANSWERS, monkeypatch)
+    started = engine()
+
+    async def go() -> str:
+        await started.start()
+        try:
+            return started.describe()["engine_mps"]
+        finally:
+            await started.aclose()
+
+    assert asyncio.run(asyncio.wait_for(go(), 20)) == "on"

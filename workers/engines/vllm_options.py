@@ -90,6 +90,9 @@ class VllmEngineOptions:
     decode step reads exactly its window with FA3's plain causal kernel, 1.38-1.81 × vLLM's
     call on an aged fp8 decoder layer; 11-15 points less GPU busy at 96 aged, no capacity
     gain shown: the engine core's CPU bounds it there), else "blocks"."""
+    cuda_mps: bool = False
+    """The operator says the GPU node runs CUDA MPS (`engine.vllm.cuda_mps`): the engine
+    refuses to start where no MPS daemon answers (its budget assumed MPS)."""
     engines_per_gpu: int = 1
     """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
     one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""

@@ -52,7 +52,7 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
-from workers.engines.mps import mps_advice, mps_servers
+from workers.engines.mps import mps_advice, mps_missing, mps_servers
 from workers.engines.vllm_options import (  # re-exported: the engine's public names
     AHEAD_FRAMES,
     DEFAULT_GEOMETRY,
@@ -318,6 +318,8 @@ class VllmVoxtralEngine(SpeechEngine):
 
     async def start(self) -> None:
         self.mps = await asyncio.to_thread(mps_servers)
+        if self.options.cuda_mps and self.mps is None:
+            raise EngineError(mps_missing())
         advice = mps_advice(self.options.engines_per_gpu, self.mps)
         if advice:
             log.warning("vllm engine: %s", advice)
