@@ -317,13 +317,23 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                 "engine_core_us_per_chunk": (kids_after[0] - kids[0]) / chunks * 1e6,
                 "helpers_us_per_chunk": (kids_after[1] - kids[1]) / chunks * 1e6})
 
+    fed = [0] * n
+    windows_done = asyncio.Event()
+
     async def pace(i: int) -> None:
         push = handles[i][0]
         offset = ((first + i) * 7919 * FRAME) % (audio.size - FRAME)
-        for k in range(frames):
+        k = 0
+        # With windows, the feed lasts until the last one ends, however long the switches
+        # between them took: a window that outlived the feed would read sessions that ran
+        # out of audio as slow (the first aged A/B's last window, 11.2 frames/s p50 where
+        # the others read 12.2-14.1, H200 2026-12-03, may have been that).
+        while k < frames or (segments and not windows_done.is_set()):
             await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 - time.monotonic()))
             j = (offset + k * FRAME) % (audio.size - FRAME)
             push(audio[j : j + FRAME])  # PCM16, as a client sends it
+            k += 1
+            fed[i] = k
 
     async def mark() -> None:
         await asyncio.sleep(WARM_S)
@@ -337,7 +347,10 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             marks["gpu"] = asyncio.create_task(_after(
                 max(0.0, seconds - WARM_S - GPU_PROFILE_S - 0.5), gpu_profile))
         if segments:
-            await measure_segments()
+            try:
+                await measure_segments()
+            finally:
+                windows_done.set()
 
     await asyncio.gather(*(pace(i) for i in range(n)), mark())
     elapsed = time.monotonic() - marks["t"]
@@ -353,7 +366,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     return {
         "fps": fps,
         # audio fed in the phase minus audio decoded in it
-        "backlog_s": [seconds - (f - s0) * 0.08 for f, s0 in zip(final, at_t0, strict=True)],
+        "backlog_s": [(k - (f - s0)) * 0.08 for k, f, s0 in zip(fed, final, at_t0, strict=True)],
+        "fed_past_plan_s": round((max(fed, default=0) - frames) * 0.08, 2),
         "front_end_us_per_chunk": cpu / chunks * 1e6,
         "engine_core_us_per_chunk": children[0] / chunks * 1e6,
         "helpers_us_per_chunk": children[1] / chunks * 1e6,
@@ -1234,6 +1248,7 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
         "helpers_us_per_chunk": round(sum(r["helpers_us_per_chunk"] * k for r, k in
                                           zip(results, share, strict=True)) / n, 1),
         "aged_in_s": max(r.get("aged_in_s", 0.0) for r in results),
+        "fed_past_plan_s": max(r.get("fed_past_plan_s", 0.0) for r in results),
         "feed": feed,
         "melspec_sync_free": all(r.get("melspec") for r in results),
         "token_writes_incremental": all(r.get("token_writes") for r in results),

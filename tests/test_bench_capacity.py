@@ -661,6 +661,33 @@ async def test_a_phase_with_windows_switches_before_each_and_measures_each(
     assert all(6.0 <= f <= 19.0 for w in windows for f in w["fps"]), windows  # ~12.5
 
 
+async def test_windows_are_fed_until_the_last_one_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TEST DOUBLE as above. Switches slower than the slack planned for them: the feed goes
+    on until the last window ends, so that window does not read sessions out of audio."""
+    monkeypatch.setattr(capacity, "WARM_S", 0.2)
+    monkeypatch.setattr(capacity, "SWITCH_SLACK_S", 0.0)
+    counts = [0]
+
+    async def start(i: int) -> Any:
+        def push(_: Any) -> None:
+            counts[0] += 1
+
+        async def close() -> None:
+            return None
+
+        return push, (lambda: counts[0]), close
+
+    async def slow_switch() -> str:
+        await asyncio.sleep(0.4)
+        return "A"
+
+    audio = speech()[: 16000 * 5]
+    result = await _phase(1, 0.8, audio, start, segments=[slow_switch] * 3)
+    assert result["fed_past_plan_s"] >= 1.0  # three switches of 0.4 s past a 2.6 s plan
+    last = result["segments"][-1]
+    assert last["fps"][0] >= 10.0, result["segments"]  # fed through to its end: ~12.5
+
+
 def test_ab_rows_give_each_configuration_its_own_windows() -> None:
     """Two front ends, four windows A B A B: A's figures come from windows 1 and 3 only."""
     def window(t0: float, fps: list[float], said: str) -> dict[str, Any]:
