@@ -66,8 +66,9 @@ Like production:
   first phase (VAD helpers too, which no lever touches) up to 18 % higher. A lever
   switched mid-phase leaves the backlog of the window before it: a window above real
   time catches up, so its frames/s may read above 12.5; below real time it reads its
-  capacity. Not yet run on the H200. `+pin` (each engine-core process on a physical core
-  of its own, everything else off those cores) switches the same way. Each
+  capacity. First run on the H200 on 2026-12-03 (110 aged, `+pin` against none). `+pin`
+  (each engine-core process on a physical core of its own, everything else off those
+  cores) switches the same way. Each
   configuration's row also gives every front end's (engine's) real-time sessions, p50 and
   engine-core CPU; a plain phase's row has them in `by_front_end`.
 - `--share-front-end`: the one-engine configurations run on front end 1 of the -xN
@@ -163,8 +164,8 @@ PIN = "+pin"
 """…with each engine-core process on a physical core of its own (both of its hardware
 threads) and the front ends and VAD helpers off those cores, switched per phase (or per
 window of an in-phase A/B) from the front-end processes. Not an engine-core lever: the
-host's scheduler is. Under MPS three engine cores each used a whole CPU at 112 aged and
-the phase held two engines' sessions of three (2026-12-03)."""
+host's scheduler is. Under MPS three engine cores each used a whole CPU at 112 aged, and
+75 of 112 sessions were real time, two engines' worth of three (2026-12-03)."""
 LEVERS = (MELSPEC, TOKENS, TRIM, KEYS, PIN)
 CONFIGS = ("stock", *_PROJECT,
            *(f"{c}{s}{p}" for c in _PROJECT
@@ -845,10 +846,11 @@ def pin_cpus(on: bool, slot: int, of: int) -> list[int] | bool:
         except psutil.Error:
             continue
         is_core = "EngineCore" in name
-        cores += is_core
-        _set_cpus(child.pid, mine if is_core else rest)
+        moved = _set_cpus(child.pid, mine if is_core else rest)
+        cores += is_core and moved > 0
     if on and not cores:
-        raise RuntimeError("no engine-core process among this front end's children")
+        raise RuntimeError("no engine-core process among this front end's children took "
+                           "the CPUs")
     _set_cpus(os.getpid(), rest)
     return sorted(mine) if on else False
 
