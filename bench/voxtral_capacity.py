@@ -1527,13 +1527,8 @@ def host_fingerprint() -> dict[str, Any]:
 def cpu_topology() -> dict[str, Any]:
     """Physical cores behind the logical CPUs this process may use: three engine cores,
     their front ends and VAD helpers on 16 hyperthreads of 8 cores are not on 16 cores."""
-    usable = sorted(os.sched_getaffinity(0))
-    cores: set[str] = set()
-    for cpu in usable:
-        with contextlib.suppress(OSError):
-            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-                           "thread_siblings_list").read_text().strip())
-    return {"usable_cpus": len(usable), "physical_cores": len(cores) or None}
+    usable = os.sched_getaffinity(0)
+    return {"usable_cpus": len(usable), "physical_cores": len(cpu_groups(usable)) or None}
 
 
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
