@@ -42,7 +42,10 @@ class VllmEngineOptions:
     max_model_len: int = 16384  # orchestrator.config VllmConfig says why
     gpu_memory_utilization: float = 0.90
     load_format: str = "mistral"
-    """"mistral" for real weights, "dummy" for random weights (benchmarks)."""
+    """"mistral" for real weights; for random weights (GPU tier, benchmarks) "dummy"
+    (vLLM's: every weight uniform in ±1e-3, so attention scores spread by ~1e-9 and ignore
+    the keys) or "babelcast_scaled" (workers/engines/vllm_reanchor/scaled_weights.py: each
+    layer at a trained checkpoint's scale, so attention, and a wrong key, matter)."""
     dtype: str = "bfloat16"
     enforce_eager: bool = False
     cudagraph_mode: str = "PIECEWISE"
@@ -96,6 +99,9 @@ class VllmEngineOptions:
     engines_per_gpu: int = 1
     """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
     one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""
+    logprobs_mode: str | None = None
+    """GPU tier and benchmarks only: vLLM's `logprobs_mode` ("raw_logits": a request's
+    logprobs are its raw logits), for exactness checks on logits. None: vLLM's default."""
     torch_profiler_dir: str | None = None
     """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
     writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`
@@ -200,6 +206,8 @@ def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
             "torch_profiler_with_stack": False,  # kernels and ops, not Python stacks
             "torch_profiler_dump_cuda_time_total": False,  # the bench sums the trace
             "ignore_frontend": True}  # the engine core only
+    if o.logprobs_mode:
+        kwargs["logprobs_mode"] = o.logprobs_mode
     if o.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = o.kv_cache_dtype
     if not o.enforce_eager:
