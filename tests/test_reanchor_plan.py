@@ -6,6 +6,7 @@ encoder cache manager, `PlaceholderRange`/`MultiModalFeatureSpec`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -16,6 +17,7 @@ from workers.engines.vllm_reanchor.plan import (
     apply,
     check,
     due,
+    embedded_spans,
     geometry_of,
 )
 
@@ -100,12 +102,52 @@ def blocks_for(n_tokens: int, block_size: int, window: int | None) -> list[Block
     return [NULL if i < skipped else Block(next(_ids)) for i in range(count)]
 
 
+HOP = 160  # samples per mel frame
+TOKEN_MEL_FRAMES = 8  # 16 kHz / 12.5 tokens per s / 160
+CHUNK_SAMPLES = 1280 + 840 + 40  # an 80 ms frame with the buffer's look-back and look-ahead
+FIRST_SAMPLES = 49960  # the first prompt: left pad, delay and the first frame
+
+
+def placeholder_length(samples: int) -> int:
+    """mistral_common 1.13.1 `AudioConfig.num_audio_tokens` (tokens/tokenizers/audio.py
+    :462), which vLLM 0.26's `_maybe_apply_prompt_updates` uses for a realtime prompt's
+    placeholder: mel frames rounded up, then tokens rounded up."""
+    frames = (math.ceil(samples / HOP - 1) if samples % HOP else samples // HOP)
+    return math.ceil(frames / TOKEN_MEL_FRAMES)
+
+
+def embeddings_made(samples: int) -> int:
+    """Rows vLLM 0.26's `VoxtralRealtimeGeneration.embed_multimodal` makes for a prompt's
+    audio: STFT frames (centred: 1 + n // hop) less the last, an even number, the convs'
+    stride 2, a multiple of the 4-frame pool, one row per 4 frames."""
+    mel = 1 + samples // HOP - 1
+    mel -= mel % 2
+    conv = mel // 2
+    return (conv - conv % 4) // 4
+
+
+def test_placeholders_are_as_vllm_makes_them() -> None:
+    """An 80 ms chunk's placeholder is 2 positions for 1 embedding; the first prompt's 39
+    for 39; a bulk step of b frames b + 1 for b (bench.voxtral_age)."""
+    assert (placeholder_length(CHUNK_SAMPLES), embeddings_made(CHUNK_SAMPLES)) == (2, 1)
+    assert (placeholder_length(FIRST_SAMPLES), embeddings_made(FIRST_SAMPLES)) == (39, 39)
+    bulk = 768 * 1280 + 840 + 40
+    assert (placeholder_length(bulk), embeddings_made(bulk)) == (769, 768)
+
+
+def chunk_feature(name: str, at: int, samples: int = CHUNK_SAMPLES) -> Feature:
+    """A chunk's feature where `_update_request_as_session` puts it: at the request's
+    length, with the placeholder length vLLM gives it."""
+    return Feature(name, PlaceholderRange(at, placeholder_length(samples)))
+
+
 def session(n: int, new: int = 1, managers: tuple[Manager, ...] = ()) -> Request:
     """A streaming request at a chunk boundary: n computed positions (the first prompt
-    of 39 tokens, then one token per chunk), `new` positions of the next chunk queued."""
+    of 39 tokens, then one token per chunk), `new` positions of the next chunk queued;
+    its features as vLLM 0.26 places them (2-position placeholders, overlapping)."""
     tokens = list(range(n + new))
-    features = [Feature("f0", PlaceholderRange(0, 39))]
-    features += [Feature(f"f{p}", PlaceholderRange(p, 1)) for p in range(39, n + new)]
+    features = [Feature("f0", PlaceholderRange(0, placeholder_length(FIRST_SAMPLES)))]
+    features += [chunk_feature(f"f{p}", p) for p in range(39, n + new)]
     req = Request("r", n, tokens, list(tokens), len(tokens), features)
     for m in managers:
         m.req_to_blocks["r"] = blocks_for(n, m.block_size, m.sliding_window)
@@ -201,7 +243,7 @@ def test_every_position_a_query_can_see_stays_in_a_live_block() -> None:
         req._all_token_ids.append(p)
         req.prompt_token_ids.append(p)
         req.num_prompt_tokens += 1
-        req.mm_features.append(Feature(f"a{absolute}", PlaceholderRange(p, 1)))
+        req.mm_features.append(chunk_feature(f"a{absolute}", p))
         for m in managers:
             blocks = m.req_to_blocks["r"]
             while len(blocks) * m.block_size < p + 1:
@@ -218,18 +260,106 @@ def test_a_feature_is_never_cut() -> None:
     dec, enc = voxtral()
     req = session(9000, managers=(dec, enc))
     # One 500-position feature straddles the naive shift (768): stop at its start.
-    req.mm_features = [Feature("big", PlaceholderRange(700, 500)),
-                       *[Feature(f"f{p}", PlaceholderRange(p, 1)) for p in range(1200, 9001)]]
+    req.mm_features = [chunk_feature(f"f{p}", p) for p in range(39, 640)]
+    req.mm_features += [Feature("big", PlaceholderRange(640, 501)),
+                        *[chunk_feature(f"f{p}", p) for p in range(1140, 9001)]]
     shift = check(req, (dec, enc), geometry_of((dec, enc)))
-    assert shift == 640  # 700 rounded down to the 128-position unit
+    assert shift == 640  # its start, a multiple of the 128-position unit
     apply(req, (dec, enc), EncoderCache(), shift, seq=1)
-    assert req.mm_features[0].mm_position == PlaceholderRange(60, 500)
+    assert req.mm_features[0].mm_position == PlaceholderRange(0, 501)
+
+
+def test_a_straddler_whose_start_is_off_the_unit_is_backed_off_again() -> None:
+    """Backing off to a straddling feature's start rounded down to the unit can land
+    inside the feature before it: checked again until nothing is cut (the old code
+    stopped after one back-off and left a kept feature at a negative offset)."""
+    dec, enc = voxtral()
+    req = session(9000, managers=(dec, enc))
+    # Bulk features of 700 positions from 39: starts 39, 739, 1439…, none on the unit
+    req.mm_features = [Feature("f0", PlaceholderRange(0, 39))]
+    req.mm_features += [Feature(f"b{s}", PlaceholderRange(s, 701)) for s in range(39, 8439, 700)]
+    req.mm_features += [chunk_feature(f"f{p}", p) for p in range(8439, 9001)]
+    with pytest.raises(CannotReanchor, match="cut a feature"):
+        check(req, (dec, enc), geometry_of((dec, enc)))
+    assert req.num_computed_tokens == 9000  # left as it was
+
+
+def test_two_position_placeholders_leave_no_feature_before_position_zero() -> None:
+    """The bug this guards: with vLLM's 2-position chunk placeholders every position is
+    inside some placeholder, and the old rule (never cut a placeholder) backed off once
+    and kept the feature at D - 1, at offset -1 after the shift."""
+    dec, enc = voxtral()
+    managers = (dec, enc)
+    req = session(9000, managers=managers)
+    shift = check(req, managers, geometry_of(managers))
+    assert shift == 768
+    apply(req, managers, EncoderCache(), shift, seq=1)
+    assert min(f.mm_position.offset for f in req.mm_features) == 0
+    assert req.mm_features[0].identifier == "f768"
+
+
+def gathered_rows(features: list[Feature], samples: list[int], start: int, end: int
+                  ) -> list[int]:
+    """For each position in [start, end): embedding rows vLLM 0.26's encoder runner
+    (worker/gpu/mm/encoder_runner.py:gather_mm_embeddings) would take for it, from each
+    overlapping feature's output of `embeddings_made` rows (a slice past the end is
+    empty); it raises "Encoder cache miss" for a feature it needs that is not there."""
+    rows = [0] * (end - start)
+    for f, n in zip(features, samples, strict=True):
+        a, length = f.mm_position.offset, f.mm_position.length
+        lo, hi = max(start - a, 0), min(end - a, length)
+        if lo >= hi:
+            continue
+        made = embeddings_made(n)
+        for i in range(lo, min(hi, made)):
+            rows[a + i - start] += 1
+    return rows
+
+
+def test_placeholders_after_reanchors_give_a_recompute_one_embedding_per_position() -> None:
+    """After re-anchors, a preempted request is recomputed from 0: every position it
+    holds must get exactly one embedding row from its kept features, none of which may
+    start before 0 (vLLM's V2 runner then asks for an input nobody encoded)."""
+    max_model_len, every = 12288, 2048
+    dec, enc = voxtral()
+    managers = (dec, enc)
+    g = geometry_of(managers)
+    req = session(39, managers=managers)
+    samples = [FIRST_SAMPLES] + [CHUNK_SAMPLES] * (len(req.mm_features) - 1)
+    reanchors = 0
+    for _ in range(2 * max_model_len):
+        if due(req.num_computed_tokens, g, every):
+            before = len(req.mm_features)
+            apply(req, managers, EncoderCache(), check(req, managers, g), seq=reanchors)
+            samples = samples[before - len(req.mm_features):]
+            reanchors += 1
+            assert min(f.mm_position.offset for f in req.mm_features) >= 0
+            n = req.num_computed_tokens
+            assert gathered_rows(req.mm_features, samples, 0, n) == [1] * n
+        req.num_computed_tokens += 1
+        p = req.num_computed_tokens
+        req._all_token_ids.append(p)
+        req.prompt_token_ids.append(p)
+        req.num_prompt_tokens += 1
+        req.mm_features.append(chunk_feature(f"a{p}", p))
+        samples.append(CHUNK_SAMPLES)
+        for m in managers:
+            blocks = m.req_to_blocks["r"]
+            while len(blocks) * m.block_size < p + 1:
+                blocks.append(Block(next(_ids)))
+    assert reanchors >= 4
+
+
+def test_embedded_spans_end_where_the_next_placeholder_begins() -> None:
+    feats = [Feature("a", PlaceholderRange(0, 39)), chunk_feature("b", 39),
+             chunk_feature("c", 40), Feature("d", PlaceholderRange(41, 769))]
+    assert embedded_spans(feats) == [(0, 39), (39, 40), (40, 41), (41, 810)]
 
 
 def test_cached_embeddings_of_dropped_features_are_freed_and_the_rest_renumbered() -> None:
     dec, enc = voxtral()
     req = session(9000, managers=(dec, enc))
-    n_drop = sum(1 for f in req.mm_features if f.mm_position.offset + 1 <= 768)
+    n_drop = sum(1 for f in req.mm_features if f.mm_position.offset < 768)
     cache = EncoderCache({"r": {0, 5, n_drop + 2}})
     apply(req, (dec, enc), cache, 768, seq=1)
     assert sorted(i for _, i in cache.freed) == [0, 5]

@@ -15,11 +15,21 @@ The rules:
 - D is a multiple of every group's block size, so whole head blocks go away and the
   block table of the shifted request still maps position p to block p // block_size.
 - A multimodal feature (one audio chunk's embeddings) is dropped whole or kept whole:
-  D never cuts one.
+  D never cuts one. vLLM 0.26 gives an 80 ms chunk (2,160 samples with its look-back and
+  look-ahead) a placeholder of 2 positions (mistral_common's `num_audio_tokens`, which
+  rounds up) while the encoder makes one embedding, and `_update_request_as_session`
+  places each chunk's placeholder at the request's length: consecutive placeholders
+  overlap by one position, and vLLM's gather takes an empty slice from the older one
+  there. A feature's embeddings therefore cover its placeholder up to the next
+  feature's offset (`embedded_spans`); that span is what D must not cut, and a feature
+  whose span ends at or before D goes (its spare placeholder position included). A kept
+  feature at a negative offset would make a recompute after preemption ask the encoder
+  cache for an input it no longer has ("Encoder cache miss", which kills the engine core).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -100,20 +110,34 @@ def due(num_computed: int, geometry: Geometry, every: int) -> bool:
     return num_computed - geometry.keep >= max(every, geometry.unit)
 
 
+def embedded_spans(features: Sequence[Any]) -> list[tuple[int, int]]:
+    """Each feature's (start, end) positions that its embeddings fill: its placeholder,
+    cut at the next feature's offset where the two overlap (see the module docstring).
+    Features are in offset order, as vLLM appends them."""
+    spans: list[tuple[int, int]] = []
+    for i, f in enumerate(features):
+        start = int(f.mm_position.offset)
+        end = start + int(f.mm_position.length)
+        if i + 1 < len(features):
+            end = min(end, max(start, int(features[i + 1].mm_position.offset)))
+        spans.append((start, end))
+    return spans
+
+
 def choose_shift(request: Any, geometry: Geometry) -> int:
-    """The largest allowed D for this request now (0: none)."""
+    """The largest allowed D for this request now (0: none): a multiple of the unit,
+    out of every window, and cutting no feature's embeddings (if one straddles D, D
+    backs off to that feature's start, rounded down to the unit, and is checked again)."""
     n = int(request.num_computed_tokens)
     unit = geometry.unit
     shift = (n - geometry.keep) // unit * unit
-    if shift <= 0:
-        return 0
-    # Never cut a feature: if one straddles `shift`, stop at its start.
-    for f in request.mm_features:
-        start = f.mm_position.offset
-        end = start + f.mm_position.length
-        if start < shift < end:
-            shift = start // unit * unit
+    spans = embedded_spans(request.mm_features)
+    starts = [a for a, _ in spans]
+    while shift > 0:
+        i = bisect.bisect_left(starts, shift) - 1  # the last feature starting before D
+        if i < 0 or spans[i][1] <= shift:
             break
+        shift = spans[i][0] // unit * unit
     return max(shift, 0)
 
 
@@ -134,6 +158,9 @@ def check(request: Any, managers: Sequence[Any], geometry: Geometry) -> int:
         raise CannotReanchor("computed tokens exceed the token history")
     shift = choose_shift(request, geometry)
     if shift <= 0:
+        if (int(request.num_computed_tokens) - geometry.keep) // geometry.unit > 0:
+            raise CannotReanchor("every shift out of the windows would cut a feature's "
+                                 "embeddings")
         raise CannotReanchor("nothing is out of every window yet")
     rid = request.request_id
     for m in managers:
@@ -147,10 +174,10 @@ def apply(request: Any, managers: Sequence[Any], encoder_cache: Any, shift: int,
           seq: int) -> Reanchor:
     """Lower the request's positions by `shift` (from `check`). Returns the worker's part."""
     rid = request.request_id
-    # Features: drop those wholly before `shift` (free any still cached first: their
-    # cache entries are indexed by position in the list), move the rest down.
-    n_drop = sum(1 for f in request.mm_features
-                 if f.mm_position.offset + f.mm_position.length <= shift)
+    # Features: drop those whose embeddings end at or before `shift` (`check` made sure
+    # none is cut: those are exactly the ones starting before it), free any still cached
+    # first (their cache entries are indexed by position in the list), move the rest down.
+    n_drop = sum(1 for f in request.mm_features if f.mm_position.offset < shift)
     cached = encoder_cache.request_cached_ids.get(rid)
     if cached:
         for input_id in sorted(i for i in cached if i < n_drop):
