@@ -205,7 +205,7 @@ class VllmConfig(_Strict):
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
                     "vLLM's renderer and HF processor: auto where the two were checked equal "
-                    "byte for byte (vLLM 0.26.x); 12x less front-end CPU per chunk")
+                    "byte for byte (vLLM 0.26.0 exactly); 12x less front-end CPU per chunk")
     load_format: Literal["mistral", "dummy"] = Field(
         default="mistral", description="mistral: real weights; dummy: random (benchmarks)")
     enforce_eager: bool = Field(default=False, description="no CUDA graphs")
@@ -245,7 +245,7 @@ class VllmConfig(_Strict):
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "
-                    "where tested (vLLM 0.26.x) and the engine's probe agrees; off: warm "
+                    "where tested (vLLM 0.26.0 exactly) and the engine's probe agrees; off: warm "
                     "rollovers before the cap")
     reanchor_every: int = Field(
         default=4096, ge=128, description="positions between a session's re-anchors")

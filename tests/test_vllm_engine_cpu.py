@@ -102,6 +102,10 @@ def test_reanchor_plugin_is_asked_for_only_where_it_was_run() -> None:
     auto = VllmEngineOptions(model="/m")
     assert wants_reanchor(auto, "0.26.0", STOCK_026)
     assert not wants_reanchor(auto, "0.33.0", STOCK_026)  # not run there: roll over
+    # The exact version proven, not its series: a patch release may move what the plugin
+    # mirrors, and an unreleased build of 0.26 is not 0.26.0.
+    for unproven in ("0.26.1", "0.26", "0.26.0.dev3", "0.26.0rc1", "0.2"):
+        assert not wants_reanchor(auto, unproven, STOCK_026), unproven
     assert wants_reanchor(VllmEngineOptions(model="/m", reanchor="on"), "0.33.0", STOCK_026)
     assert not wants_reanchor(VllmEngineOptions(model="/m", reanchor="off"), "0.26.0",
                               STOCK_026)
@@ -187,6 +191,8 @@ def test_direct_input_is_an_engine_option_that_sessions_follow() -> None:
     assert engine_with(FakeVllmBackend()).direct_input is False
     assert wants_direct(VllmEngineOptions(model="/m"), "0.26.0")
     assert not wants_direct(VllmEngineOptions(model="/m"), "0.33.0")
+    assert not wants_direct(VllmEngineOptions(model="/m"), "0.26.1")  # exact versions only
+    assert wants_direct(VllmEngineOptions(model="/m", direct_input="on"), "0.26.1")
     assert not wants_direct(VllmEngineOptions(model="/m", direct_input="off"), "0.26.0")
     assert words_on == words_off == [" w4", " w9", " w14", " w19"]
     # health says which input path and which spectrogram the engine runs

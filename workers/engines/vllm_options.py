@@ -20,9 +20,11 @@ AHEAD_FRAMES = 2
 """Audio handed to the model's buffer beyond what its next prompt needs."""
 SLACK_POSITIONS = 16
 """Positions kept free below max_model_len: a switch lands up to one chunk late."""
-DIRECT_TESTED = ("0.26.",)  # vllm_direct.check_equal + compare_generate on the H200
-REANCHOR_TESTED = ("0.26.",)
-"""vLLM versions the re-anchoring plugin was run on (the H200); "auto" uses it only there."""
+DIRECT_TESTED = ("0.26.0",)  # vllm_direct.check_equal + compare_generate on the H200
+REANCHOR_TESTED = ("0.26.0",)
+"""Exact vLLM versions the re-anchoring plugin was run on (the H200); "auto" uses it only
+there. Exact, not a prefix: the plugin and the direct builder mirror private code of one
+release (a patch release may move it), so an unproven version rolls over and renders."""
 SCHEDULER_CLS = "workers.engines.vllm_reanchor.scheduler.ReanchorAsyncScheduler"
 WORKER_CLS = "workers.engines.vllm_reanchor.worker.ReanchorWorker"
 REANCHOR_ARG = "babelcast_reanchor_every"
@@ -55,8 +57,8 @@ class VllmEngineOptions:
     """vLLM's KV cache element type: "auto" (the model's, bf16) or "fp8" (half the memory
     per position: what bounds sessions aged long, see README)."""
     reanchor: Literal["auto", "on", "off"] = "auto"
-    """auto: on where tested (vLLM 0.26.x) and the engine's probe agrees; on: wherever
-    the probe agrees; off: warm rollovers only."""
+    """auto: on where tested (vLLM 0.26.0 exactly) and the engine's probe agrees; on:
+    wherever the probe agrees; off: warm rollovers only."""
     reanchor_every: int = 4096
     """Positions between a session's re-anchors. Each one re-rotates every live key once
     (one bf16 rounding); between them the token history grows by this much."""
@@ -65,7 +67,7 @@ class VllmEngineOptions:
     direct_input: Literal["auto", "on", "off"] = "auto"
     """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
     instead of through vLLM's renderer and HF processor. auto: on the vLLM versions
-    where the two were checked equal byte for byte (0.26.x)."""
+    where the two were checked equal byte for byte (0.26.0 exactly)."""
     sync_free_melspec: bool = True
     """The encoder's spectrogram without a wait on the GPU per 80 ms chunk (engine core,
     vllm_reanchor/melspec.py; needs the re-anchoring plugin worker; switched on only where
@@ -165,7 +167,7 @@ def max_session_s(o: VllmEngineOptions, g: StreamGeometry) -> float:
 def wants_reanchor(o: VllmEngineOptions, version: str, available: set[str]) -> bool:
     if o.reanchor == "off" or not {"scheduler_cls", "worker_cls"} <= available:
         return False
-    return o.reanchor == "on" or version.startswith(REANCHOR_TESTED)
+    return o.reanchor == "on" or version in REANCHOR_TESTED
 
 
 def wants_direct(o: VllmEngineOptions, version: str) -> bool:
@@ -173,7 +175,7 @@ def wants_direct(o: VllmEngineOptions, version: str) -> bool:
     vLLM's renderer (a chunk the builder does not recognise uses the renderer anyway)."""
     if o.direct_input == "off":
         return False
-    return o.direct_input == "on" or version.startswith(DIRECT_TESTED)
+    return o.direct_input == "on" or version in DIRECT_TESTED
 
 
 def engine_kwargs(o: VllmEngineOptions, available: set[str], *,

@@ -9,7 +9,7 @@ holds a slot.
 
 What this engine adds to that loop, for sessions that run a whole event:
 - **Re-anchoring** (`workers/engines/vllm_reanchor/`): on vLLM versions where the
-  plugin is known to work (0.26.x) and the engine's own probe agrees, sessions never
+  plugin is known to work (0.26.0) and the engine's own probe agrees, sessions never
   reach `max_model_len`: their positions are lowered at chunk boundaries and their
   cached keys re-rotated. Elsewhere the session manager rolls sessions over before
   the cap, with a budget that counts the padding positions too.
