@@ -9,6 +9,11 @@ output's tokens fed back; one output per prompt; after the audio ends, `right_pa
 more outputs (the real buffer's right padding). Every `text_every`-th output carries
 the text " w<k>" where k is the output's index, so tests can tell which output a word
 came from.
+
+Started by the engine through a backend factory (`VllmVoxtralEngine(...,
+backend_factory=...)`), it answers the start checks (workers/engines/vllm_checks.py) with
+what a test tells it: its `version`, whether the plugin was asked for, the plugin worker's
+probe. Those answers are scripted: they stand in for what only the GPU can measure.
 """
 
 from __future__ import annotations
@@ -51,6 +56,17 @@ class FakeVllmBackend:
     shutdowns: int = 0
     stats: dict[str, Any] | None = None
     direct_sessions: int = 0
+    version: str = ""
+    """vllm.__version__ as the real backend reports it ("": none, an injected fake)."""
+    reanchor_requested: bool = False
+    probe_answer: dict[str, Any] | Exception = field(
+        default_factory=lambda: {"supported": False, "why_not": "fake: no plugin worker"})
+    """The plugin worker's probe (`babelcast_reanchor_probe`), or what asking it raises."""
+
+    async def probe(self) -> dict[str, Any]:
+        if isinstance(self.probe_answer, Exception):
+            raise self.probe_answer
+        return dict(self.probe_answer)
 
     def direct_prompts(self, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:

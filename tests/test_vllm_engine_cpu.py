@@ -1,12 +1,15 @@
 """The `vllm` engine's plain parts, without vLLM: options → engine args, the stream
-geometry from tekken.json, session budgets, slots, health, stamps and pacing, against
-a fake backend (tests/fake_vllm.py, named as such) that implements the real backend's
-async API and paces prompts like Voxtral's realtime buffer."""
+geometry from tekken.json, session budgets, slots, health, stamps and pacing, and the
+checks at start (workers/engines/vllm_checks.py), against a fake backend
+(tests/fake_vllm.py, named as such) that implements the real backend's async API and
+paces prompts like Voxtral's realtime buffer. What the start checks read from the GPU
+(the plugin worker's probe) is the fake's scripted answer here."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ import pytest
 
 from tests.fake_vllm import FRAME, FakeVllmBackend
 from workers.engines.base import EngineError, SessionOptions
+from workers.engines.vllm_checks import WHY_CHARS, kv_sessions, kv_shortfall
 from workers.engines.vllm_voxtral import (
     AHEAD_FRAMES,
     SCHEDULER_CLS,
@@ -25,8 +29,6 @@ from workers.engines.vllm_voxtral import (
     VllmVoxtralEngine,
     capabilities_for,
     engine_kwargs,
-    kv_sessions,
-    kv_shortfall,
     read_geometry,
     wants_direct,
     wants_reanchor,
@@ -56,6 +58,40 @@ def chunk(i: int, pos0: int = 0, frames: int = 1) -> AudioChunk:
 def engine_with(backend: FakeVllmBackend, **opts: object) -> VllmVoxtralEngine:
     return VllmVoxtralEngine(VllmEngineOptions(model="/m", **opts),  # type: ignore[arg-type]
                              backend=backend, geometry=G480)
+
+
+def model_folder(folder: Path) -> str:
+    """A model folder as far as the engine reads it: tekken.json's delay and padding."""
+    (folder / "tekken.json").write_text(json.dumps(
+        {"audio": {"transcription_delay_ms": 480, "streaming_n_left_pad_tokens": 32}}))
+    return str(folder)
+
+
+def built(backend: FakeVllmBackend, folder: Path, **opts: object) -> VllmVoxtralEngine:
+    """An engine that builds its backend in start() and checks it, as it does a real one;
+    the backend is the FAKE, its answers scripted by the test."""
+    return VllmVoxtralEngine(
+        VllmEngineOptions(model=model_folder(folder), **opts),  # type: ignore[arg-type]
+        backend_factory=lambda _: backend)
+
+
+async def started(engine: VllmVoxtralEngine) -> dict[str, str]:
+    """Start the engine, say what health would, close it."""
+    await engine.start()
+    try:
+        return engine.describe()
+    finally:
+        await engine.aclose()
+
+
+AGED_BLOCKS = 78
+"""KV blocks one session aged past both windows holds (the probe's geometry below)."""
+
+
+def probe_for(sessions: int, **more: object) -> dict[str, object]:
+    """The plugin worker's probe for a cache that holds `sessions` aged sessions."""
+    return {"supported": True, "keep": 8191, "unit": 128, "block_sizes": [128, 16],
+            "windows": [8192, 189], "kv_blocks": AGED_BLOCKS * sessions, **more}
 
 
 # -- options ----------------------------------------------------------------------------
@@ -452,12 +488,106 @@ def test_the_engine_says_how_many_aged_sessions_its_kv_cache_holds() -> None:
     assert kv_sessions({**probe, "windows": [None, 189]}) is None  # full attention
     assert kv_sessions({**probe, "windows": [8192]}) is None  # groups disagree: unknown
     assert kv_sessions({"supported": False, "why_not": "no plugin"}) is None
+    assert kv_sessions(probe_for(16)) == 16
     assert kv_shortfall(45, 36, 65) is None
     assert kv_shortfall(45, 36, None) is None
     said = kv_shortfall(45, 36, 33)
-    assert said is not None and "~33" in said and "45 session slots" in said
-    assert "engine.streams_per_actor" in said and "kv_cache_dtype fp8" in said
+    assert said is not None and "~33" in said and "fewer than its 36 streams" in said
+    assert "does not start" in said and "engine.streams_per_actor to 33 or less" in said
+    assert "kv_cache_dtype fp8" in said and "gpu_memory_utilization" in said
+    assert "engines_per_gpu" in said
+    said = kv_shortfall(45, 36, 40)
+    assert said is not None and "45 session slots" in said and "capped at 40" in said
     engine = engine_with(FakeVllmBackend())
     assert "engine_kv_sessions" not in engine.describe()
     engine.kv_sessions = 65
     assert engine.describe()["engine_kv_sessions"] == "65"
+
+
+def test_an_engine_whose_kv_cache_cannot_hold_its_streams_aged_refuses_to_start(
+        tmp_path: Path) -> None:
+    """On the H200 an engine whose cache filled gave its sessions no steps: an engine
+    that would fill it with its own streams does not start, says what to change, and
+    gives its GPU memory back. Negative control: one aged session more held, it starts.
+    The cache's size is the fake's scripted probe."""
+    short = FakeVllmBackend(version="0.26.0", reanchor_requested=True,
+                            probe_answer=probe_for(15))
+    with pytest.raises(EngineError) as refused:
+        run(built(short, tmp_path, max_streams=16).start())
+    assert not refused.value.retryable
+    said = str(refused.value)
+    assert "~15 sessions" in said and "fewer than its 16 streams" in said
+    for setting in ("engine.streams_per_actor", "engine.vllm.kv_cache_dtype fp8",
+                    "gpu_memory_utilization", "engines_per_gpu"):
+        assert setting in said, setting
+    assert short.shutdowns == 1, "a refused engine keeps no AsyncLLM"
+    enough = FakeVllmBackend(version="0.26.0", reanchor_requested=True,
+                             probe_answer=probe_for(16))
+    described = run(started(built(enough, tmp_path, max_streams=16)))
+    assert described["engine_session_slots"] == "16"  # type: ignore[index]
+    assert described["engine_mode"] == "reanchor"  # type: ignore[index]
+
+
+def test_a_kv_cache_short_of_the_rollover_headroom_caps_the_session_slots(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """16 streams + 4 headroom, a cache for 18 aged sessions: 18 slots, and the operator is
+    told the headroom shrank and why. Negative controls: a cache for 20 keeps 20 slots
+    without a word; a probe without the cache's size leaves the slots as they are."""
+    async def go(probe: dict[str, object]) -> tuple[dict[str, str], int]:
+        engine = built(FakeVllmBackend(version="0.26.0", reanchor_requested=True,
+                                       probe_answer=probe), tmp_path, max_streams=16)
+        await engine.start()
+        try:
+            opened = []
+            with pytest.raises(EngineError, match="slots"):
+                for i in range(30):
+                    opened.append(engine.open_session(SessionOptions(f"s{i}")))
+            for session in opened:
+                await session.aclose()
+            return engine.describe(), len(opened)
+        finally:
+            await engine.aclose()
+
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+        described, opened = run(go(probe_for(18)))  # type: ignore[misc]
+    assert described["engine_session_slots"] == "18" and opened == 18
+    told = [r.getMessage() for r in caplog.records if "capped at 18" in r.getMessage()]
+    assert len(told) == 1 and "20 session slots (16 streams + headroom)" in told[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+        described, opened = run(go(probe_for(20)))  # type: ignore[misc]
+        assert (described["engine_session_slots"], opened) == ("20", 20)
+        unknown = probe_for(20)
+        del unknown["kv_blocks"]
+        described, opened = run(go(unknown))  # type: ignore[misc]
+        assert (described["engine_session_slots"], opened) == ("20", 20)
+    assert not [r for r in caplog.records if "KV cache" in r.getMessage()]
+
+
+def test_health_says_why_sessions_roll_over_when_reanchoring_was_asked_for(
+        tmp_path: Path) -> None:
+    """The probe's refusal (or the version gate) is what `babelcast status` shows next to
+    "rollover", cut to a status line's length. Negative controls: an engine that
+    re-anchors, and one told not to, give no reason. The probe is the fake's script."""
+    int4 = ("KV cache dtype 'int4_per_token_head' is stored as bytes this plugin cannot "
+            "rotate")
+
+    def mode(**opts: object) -> tuple[str, str | None]:
+        d = run(started(built(FakeVllmBackend(**opts), tmp_path)))  # type: ignore[arg-type]
+        return d["engine_mode"], d.get("engine_mode_why")  # type: ignore[index,union-attr]
+
+    refused = {"supported": False, "why_not": int4}
+    assert mode(version="0.26.0", reanchor_requested=True, probe_answer=refused) == (
+        "rollover", int4)
+    long = {"supported": False, "why_not": "x" * 5000}
+    _, why = mode(version="0.26.0", reanchor_requested=True, probe_answer=long)
+    assert why is not None and len(why) == WHY_CHARS
+    _, why = mode(version="0.26.0", reanchor_requested=True,
+                  probe_answer=RuntimeError("no method babelcast_reanchor_probe"))
+    assert why == "RuntimeError: no method babelcast_reanchor_probe"
+    _, why = mode(version="0.33.0")  # "auto" on a version the plugin never ran on
+    assert why is not None and "vLLM 0.33.0 is not a version the plugin was run on" in why
+    assert mode(version="0.26.0", reanchor_requested=True,
+                probe_answer=probe_for(40)) == ("reanchor", None)
+    off = run(started(built(FakeVllmBackend(version="0.26.0"), tmp_path, reanchor="off")))
+    assert off["engine_mode"] == "rollover" and "engine_mode_why" not in off  # type: ignore[index,operator]

@@ -40,7 +40,7 @@ import fcntl
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -53,6 +53,7 @@ from workers.engines.base import (
     SpeechEngine,
 )
 from workers.engines.mps import mps_advice, mps_missing, mps_servers
+from workers.engines.vllm_checks import CheckedBackend, check_start
 from workers.engines.vllm_options import (  # re-exported: the engine's public names
     AHEAD_FRAMES,
     DEFAULT_GEOMETRY,
@@ -60,7 +61,6 @@ from workers.engines.vllm_options import (  # re-exported: the engine's public n
     FRAME_S,
     REANCHOR_ARG,
     SCHEDULER_CLS,
-    SLACK_POSITIONS,
     STATS_EVERY_S,
     WORKER_CLS,
     StreamGeometry,
@@ -73,13 +73,12 @@ from workers.engines.vllm_options import (  # re-exported: the engine's public n
     wants_direct,
     wants_reanchor,
 )
-from workers.engines.vllm_reanchor.plan import Geometry
 from workers.engines.vllm_session import FrameMap, VllmVoxtralSession
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AHEAD_FRAMES", "DEFAULT_GEOMETRY", "FRAME", "FRAME_S", "SCHEDULER_CLS",
-           "SLACK_POSITIONS", "WORKER_CLS", "FrameMap", "StreamGeometry", "VllmEngineOptions",
+           "WORKER_CLS", "FrameMap", "StreamGeometry", "VllmEngineOptions",
            "VllmVoxtralEngine", "VllmVoxtralSession", "capabilities_for", "engine_kwargs",
            "headroom", "max_session_s", "read_geometry", "wants_direct", "wants_reanchor"]
 
@@ -104,6 +103,10 @@ class VllmBackend(Protocol):
     async def reanchor_stats(self) -> dict[str, Any] | None: ...
 
     def shutdown(self) -> None: ...
+
+
+class StartingBackend(VllmBackend, CheckedBackend, Protocol):
+    """A backend the engine starts itself and checks (vllm_checks.py) before any session."""
 
 
 @contextlib.contextmanager
@@ -249,39 +252,18 @@ class _AsyncLLMBackend:
         self.llm.shutdown()
 
 
-def kv_sessions(probe: dict[str, Any]) -> int | None:
-    """Sessions older than every attention window that the engine's KV cache holds, from
-    its worker's probe (`kv_blocks`, `block_sizes`, `windows`); None where unknown."""
-    try:
-        geometry = Geometry(tuple(int(b) for b in probe["block_sizes"]),
-                            tuple(None if w is None else int(w) for w in probe["windows"]))
-        return geometry.sessions_by_kv(int(probe["kv_blocks"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def kv_shortfall(slots: int, streams: int, held: int | None) -> str | None:
-    """What to tell the operator when the session slots outnumber the aged sessions the KV
-    cache holds. Young sessions hold less, so it shows only once sessions have aged (about
-    11 minutes for the decoder's 8,192-position window): then a session that needs a block
-    waits for one. On the H200 an engine whose cache filled gave its sessions no steps."""
-    if held is None or slots <= held:
-        return None
-    return (f"its KV cache holds ~{held} sessions once they are older than the attention "
-            f"windows, fewer than its {slots} session slots ({streams} streams + headroom): "
-            f"lower engine.streams_per_actor, or give each engine more cache "
-            f"(engine.vllm.kv_cache_dtype fp8, a higher gpu_memory_utilization, fewer "
-            f"engines_per_gpu)")
-
-
 class VllmVoxtralEngine(SpeechEngine):
     def __init__(self, options: VllmEngineOptions, backend: VllmBackend | None = None,
-                 *, reanchoring: bool = False,
-                 geometry: StreamGeometry | None = None) -> None:
-        """`backend` (with `reanchoring`, `geometry`): injected by tests (a fake);
-        otherwise built in start() from the model folder and the installed vLLM."""
+                 *, reanchoring: bool = False, geometry: StreamGeometry | None = None,
+                 backend_factory: Callable[[VllmEngineOptions], StartingBackend] | None = None
+                 ) -> None:
+        """`backend` (with `reanchoring`, `geometry`): injected by tests (a fake), taken as
+        started and checked. Otherwise start() builds one with `backend_factory` (the real
+        AsyncLLM backend; a fake in CPU tests of the start checks) from the model folder
+        and the installed vLLM, and checks it (vllm_checks.py)."""
         self.options = options
         self._backend = backend
+        self._factory = backend_factory or _AsyncLLMBackend
         self.reanchoring = reanchoring
         self.geometry = geometry or DEFAULT_GEOMETRY
         # injected backends (tests) follow "on"/"off"; a real one decides by version in start()
@@ -294,6 +276,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.slot_refusals = 0
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
+        self.mode_why: str | None = None  # why sessions roll over though asked to re-anchor
         self.kv_sessions: int | None = None  # aged sessions the KV cache holds (probe)
         self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.token_writes: dict[str, Any] = {"on": False, "why_not": "not asked"}
@@ -327,23 +310,17 @@ class VllmVoxtralEngine(SpeechEngine):
             self._start_stats()
             return
         self.geometry = read_geometry(self.options.model)
-        real = await asyncio.to_thread(_AsyncLLMBackend, self.options)
+        real = await asyncio.to_thread(self._factory, self.options)
         self._backend = real
+        try:
+            checked = await check_start(real, self.options, self.geometry)
+        except BaseException:
+            await self.aclose()  # refused (or cancelled): its GPU memory goes back now
+            raise
+        self.reanchor_probe, self.reanchoring = checked.probe, checked.reanchoring
+        self.mode_why, self.kv_sessions = checked.mode_why, checked.kv_sessions
+        self.max_sessions = checked.session_slots
         self.direct_input = wants_direct(self.options, real.version)
-        if real.reanchor_requested:
-            try:
-                self.reanchor_probe = await real.probe()
-            except Exception as exc:  # the plugin worker did not load: roll over instead
-                self.reanchor_probe = {"supported": False,
-                                       "why_not": f"{type(exc).__name__}: {exc}"}
-            self.reanchoring = bool(self.reanchor_probe.get("supported")) and self._fits()
-            self.kv_sessions = kv_sessions(self.reanchor_probe)
-        log.info("vllm %s engine: %s (%s), KV cache for %s aged sessions", real.version,
-                 self.mode, self.reanchor_probe.get("why_not") or "ok",
-                 self.kv_sessions if self.kv_sessions is not None else "unknown")
-        short = kv_shortfall(self.max_sessions, self.options.max_streams, self.kv_sessions)
-        if short:
-            log.warning("vllm engine: %s", short)
         if self.options.sync_free_melspec:
             self.melspec = await switch_lever(real, "set_melspec", True)
             _log_lever("sync-free spectrogram", self.melspec)
@@ -355,19 +332,6 @@ class VllmVoxtralEngine(SpeechEngine):
             _log_lever(f"window-trimmed attention ({self.window_trim.get('mode')})",
                        self.window_trim)
         self._start_stats()
-
-    def _fits(self) -> bool:
-        """Re-anchoring keeps a session under max_model_len only if the window, one
-        interval and the padding fit below it."""
-        p = self.reanchor_probe
-        keep, unit = int(p.get("keep") or 0), int(p.get("unit") or 0)
-        need = keep + max(self.options.reanchor_every, unit) + unit + self.geometry.right_pad
-        if need + SLACK_POSITIONS >= self.options.max_model_len:
-            self.reanchor_probe["why_not"] = (
-                f"max_model_len {self.options.max_model_len} leaves no room to re-anchor "
-                f"(window {keep} + interval + padding = {need})")
-            return False
-        return True
 
     def _start_stats(self) -> None:
         if self.reanchoring and self._stats_task is None:
@@ -431,6 +395,8 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
                                      if self.window_trim.get("on") else "vllm"),
                 "engine_mps": "off" if self.mps is None else "on",
+                "engine_session_slots": str(self.max_sessions),
+                **({"engine_mode_why": self.mode_why} if self.mode_why else {}),
                 **({"engine_kv_sessions": str(self.kv_sessions)}
                    if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}
