@@ -13,7 +13,8 @@ came from.
 Started by the engine through a backend factory (`VllmVoxtralEngine(...,
 backend_factory=...)`), it answers the start checks (workers/engines/vllm_checks.py) with
 what a test tells it: its `version`, whether the plugin was asked for, the plugin worker's
-probe. Those answers are scripted: they stand in for what only the GPU can measure.
+probe, the direct-input check's report. Those answers are scripted: they stand in for what
+only the GPU can measure.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ class FakeVllmBackend:
     probe_answer: dict[str, Any] | Exception = field(
         default_factory=lambda: {"supported": False, "why_not": "fake: no plugin worker"})
     """The plugin worker's probe (`babelcast_reanchor_probe`), or what asking it raises."""
+
+    direct_answer: dict[str, Any] | Exception = field(
+        default_factory=lambda: {"prompts": 30, "equal": True, "mismatches": []})
+    """vllm_direct.check_equal_async's report (its keys), or what running it raises."""
+    direct_checks: int = 0
+
+    async def check_direct(self) -> dict[str, Any]:
+        self.direct_checks += 1
+        if isinstance(self.direct_answer, Exception):
+            raise self.direct_answer
+        return dict(self.direct_answer)
 
     async def probe(self) -> dict[str, Any]:
         if isinstance(self.probe_answer, Exception):

@@ -591,3 +591,62 @@ def test_health_says_why_sessions_roll_over_when_reanchoring_was_asked_for(
                 probe_answer=probe_for(40)) == ("reanchor", None)
     off = run(started(built(FakeVllmBackend(version="0.26.0"), tmp_path, reanchor="off")))
     assert off["engine_mode"] == "rollover" and "engine_mode_why" not in off  # type: ignore[index,operator]
+
+
+def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_renderer(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """vllm_direct.check_equal_async runs at every start where direct input is wanted: equal,
+    sessions build their inputs directly; a mismatch or a check that raises, they go
+    through vLLM's renderer and health says why (cut to a status line). The check's report
+    is the FAKE backend's script: only the GPU tier runs the real comparison."""
+    def start(answer: dict[str, object] | Exception, **opts: object
+              ) -> tuple[dict[str, str], FakeVllmBackend]:
+        backend = FakeVllmBackend(version="0.26.0", direct_answer=answer)
+        return run(started(built(backend, tmp_path, **opts))), backend  # type: ignore[return-value]
+
+    equal, backend = start({"prompts": 30, "equal": True, "mismatches": []})
+    assert equal["engine_input"] == "direct" and "engine_input_why" not in equal
+    assert backend.direct_checks == 1
+    mismatch = ("prompt 0: audio[0].audio_arrays: (torch.bfloat16, (2160,)) != "
+                "(torch.float32, (2160,))")
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+        differs, _ = start({"prompts": 30, "equal": False,
+                            "mismatches": [mismatch, "prompt 0: EngineCoreRequest bytes differ"]})
+        raised, _ = start(RuntimeError("renderer: no audio processor " + "x" * 500))
+    assert differs["engine_input"] == "renderer" and differs["engine_input_why"] == mismatch
+    assert raised["engine_input"] == "renderer"
+    why = raised["engine_input_why"]
+    assert why.startswith("its check failed: RuntimeError: renderer: no audio processor")
+    assert len(why) == WHY_CHARS
+    told = [r.getMessage() for r in caplog.records if "direct chunk input is off" in r.getMessage()]
+    assert len(told) == 2 and mismatch in told[0]
+    # Nothing checked where direct input is not wanted: "off", or "auto" on another vLLM.
+    for opts, version in (({"direct_input": "off"}, "0.26.0"), ({}, "0.33.0")):
+        backend = FakeVllmBackend(version=version)
+        d = run(started(built(backend, tmp_path, **opts)))
+        assert d["engine_input"] == "renderer" and "engine_input_why" not in d  # type: ignore[index,operator]
+        assert backend.direct_checks == 0
+
+
+def test_sessions_of_an_engine_whose_direct_check_failed_go_through_the_renderer(
+        tmp_path: Path) -> None:
+    """What the check decided is what the sessions do (the FAKE backend counts the sessions
+    that asked for direct prompts)."""
+    async def go(equal: bool) -> int:
+        backend = FakeVllmBackend(version="0.26.0", direct_answer={
+            "prompts": 30, "equal": equal, "mismatches": [] if equal else ["prompt 3: x"]})
+        engine = built(backend, tmp_path, reanchor="off")
+        await engine.start()
+        try:
+            session = engine.open_session(SessionOptions("s"))
+            for i in range(10):
+                await session.push(chunk(i))
+            await session.end_input()
+            async for _ in session:
+                pass
+        finally:
+            await engine.aclose()
+        return backend.direct_sessions
+
+    assert run(go(True)) == 1
+    assert run(go(False)) == 0

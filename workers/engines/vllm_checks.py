@@ -10,10 +10,13 @@ with a non-retryable `EngineError` that says which setting to change:
   H200 an engine whose cache filled gave its sessions no steps at all, so fewer aged
   sessions than streams refuse the start; fewer than streams + rollover headroom shrink
   the headroom.
+- **Direct chunk input**: the builder's inputs compared with vLLM's renderer's, byte for
+  byte, on a second of faint noise; any difference keeps the renderer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +28,7 @@ from workers.engines.vllm_options import (
     StreamGeometry,
     VllmEngineOptions,
     headroom,
+    wants_direct,
 )
 from workers.engines.vllm_reanchor.plan import Geometry
 
@@ -33,6 +37,9 @@ log = logging.getLogger(__name__)
 WHY_CHARS = 200
 """A reason that health and `babelcast status` show is cut to this many characters: a
 mismatch or an exception can be long (a repr of token ids), a status line cannot."""
+DIRECT_CHECK_S = 60.0
+"""The direct-input check builds ~30 prompts both ways (~1 ms each on the H200); a check
+that has not answered in a minute is a renderer that hangs, and the engine renders."""
 
 
 def bounded(why: str, limit: int = WHY_CHARS) -> str:
@@ -47,6 +54,8 @@ class CheckedBackend(Protocol):
 
     async def probe(self) -> dict[str, Any]: ...
 
+    async def check_direct(self) -> dict[str, Any]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class StartReport:
@@ -57,6 +66,8 @@ class StartReport:
     mode_why: str | None  # why sessions roll over although re-anchoring was asked for
     kv_sessions: int | None
     session_slots: int
+    direct_input: bool
+    direct_why: str | None  # why not, where it was wanted
 
 
 def kv_sessions(probe: dict[str, Any]) -> int | None:
@@ -116,6 +127,27 @@ def no_room(probe: dict[str, Any], o: VllmEngineOptions, g: StreamGeometry) -> s
     return None
 
 
+async def check_direct(backend: CheckedBackend, o: VllmEngineOptions
+                       ) -> tuple[bool, str | None]:
+    """Direct chunk input where it is wanted and its inputs equal the renderer's now."""
+    if not wants_direct(o, backend.version):
+        return False, None
+    try:
+        report = await asyncio.wait_for(backend.check_direct(), DIRECT_CHECK_S)
+    except Exception as exc:
+        why = f"its check failed: {type(exc).__name__}: {exc}"
+    else:
+        if report.get("equal"):
+            return True, None
+        mismatches = report.get("mismatches") or []
+        why = (str(mismatches[0]) if mismatches
+               else f"its check built {report.get('prompts', 0)} prompts")
+    why = bounded(why)
+    log.warning("vllm engine: direct chunk input is off, chunks go through vLLM's renderer: "
+                "the two differ on this engine (%s)", why)
+    return False, why
+
+
 async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGeometry
                       ) -> StartReport:
     """Every check, in the order that refuses soonest; raises EngineError to refuse."""
@@ -144,5 +176,7 @@ async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGe
              "reanchor" if reanchoring else "rollover", mode_why or "ok",
              held if held is not None else "unknown")
     slots = session_slots(o.max_streams + headroom(o), o.max_streams, held)
+    direct, direct_why = await check_direct(backend, o)
     return StartReport(probe=probe, reanchoring=reanchoring, mode_why=mode_why,
-                       kv_sessions=held, session_slots=slots)
+                       kv_sessions=held, session_slots=slots, direct_input=direct,
+                       direct_why=direct_why)

@@ -67,7 +67,8 @@ class VllmEngineOptions:
     direct_input: Literal["auto", "on", "off"] = "auto"
     """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
     instead of through vLLM's renderer and HF processor. auto: on the vLLM versions
-    where the two were checked equal byte for byte (0.26.0 exactly)."""
+    where the two were checked equal byte for byte (0.26.0 exactly). Wherever it is on, the
+    engine checks the two equal again at every start (vllm_checks.py) and renders if not."""
     sync_free_melspec: bool = True
     """The encoder's spectrogram without a wait on the GPU per 80 ms chunk (engine core,
     vllm_reanchor/melspec.py; needs the re-anchoring plugin worker; switched on only where

@@ -232,11 +232,23 @@ class _AsyncLLMBackend:
     def direct_prompts(self, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
         """`prompts`, with each chunk's engine input built directly (vllm_direct.py)."""
-        from workers.engines.vllm_direct import DirectChunkBuilder, direct_prompts
+        from workers.engines.vllm_direct import direct_prompts
+
+        return direct_prompts(self.llm, self.model_cls, audio, tokens, self._builder())
+
+    async def check_direct(self) -> dict[str, Any]:
+        """The builder sessions use against vLLM's renderer, every field and the request
+        bytes, on ~1 s of faint noise (vllm_direct.check_equal_async; "equal")."""
+        from workers.engines.vllm_direct import _noise, check_equal_async
+
+        return await check_equal_async(self.llm, self.model_cls, _noise(1.0), self._builder())
+
+    def _builder(self) -> Any:
+        from workers.engines.vllm_direct import DirectChunkBuilder
 
         if self._direct is None:
             self._direct = DirectChunkBuilder.for_llm(self.llm)
-        return direct_prompts(self.llm, self.model_cls, audio, tokens, self._direct)
+        return self._direct
 
     def generate(self, prompts: AsyncIterator[Any], request_id: str,
                  reanchor_every: int | None) -> AsyncIterator[Any]:
@@ -267,7 +279,9 @@ class VllmVoxtralEngine(SpeechEngine):
         self.reanchoring = reanchoring
         self.geometry = geometry or DEFAULT_GEOMETRY
         # injected backends (tests) follow "on"/"off"; a real one decides by version in start()
+        # and by its check there (vllm_checks.py), which says why it renders (`direct_why`)
         self.direct_input = options.direct_input == "on"
+        self.direct_why: str | None = None
         self.max_sessions = options.max_streams + headroom(options)
         self.sessions_open = 0
         self.aborts = 0
@@ -320,7 +334,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.reanchor_probe, self.reanchoring = checked.probe, checked.reanchoring
         self.mode_why, self.kv_sessions = checked.mode_why, checked.kv_sessions
         self.max_sessions = checked.session_slots
-        self.direct_input = wants_direct(self.options, real.version)
+        self.direct_input, self.direct_why = checked.direct_input, checked.direct_why
         if self.options.sync_free_melspec:
             self.melspec = await switch_lever(real, "set_melspec", True)
             _log_lever("sync-free spectrogram", self.melspec)
@@ -390,6 +404,7 @@ class VllmVoxtralEngine(SpeechEngine):
         version = getattr(self._backend, "version", "")
         return {"engine_mode": self.mode,
                 "engine_input": "direct" if self.direct_input else "renderer",
+                **({"engine_input_why": self.direct_why} if self.direct_why else {}),
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
