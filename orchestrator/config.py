@@ -197,8 +197,9 @@ class VllmConfig(_Strict):
         default=False,
         description="the GPU nodes run CUDA MPS (their operator starts "
                     "`nvidia-cuda-mps-control -d` before Ray starts the actors): an engine "
-                    "whose node has no MPS daemon answering refuses to start instead of "
-                    "running slower than its budget, and with fp8 and three engines per GPU "
+                    "that MPS does not serve (no daemon answers, or its engine core is not "
+                    "a client of the daemon's server) refuses to start instead of running "
+                    "slower than its budget, and with fp8 and three engines per GPU "
                     "the default streams_per_actor is the knee measured under MPS, 36 (110 "
                     "sessions aged 30 min held per H200, 2026-12-03; 34 without)")
     direct_input: Literal["auto", "on", "off"] = Field(

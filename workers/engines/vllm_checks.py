@@ -10,6 +10,9 @@ with a non-retryable `EngineError` that says which setting to change:
   H200 an engine whose cache filled gave its sessions no steps at all, so fewer aged
   sessions than streams refuse the start; fewer than streams + rollover headroom shrink
   the headroom.
+- **CUDA MPS**: on only when a server of the daemon has this engine's engine core among
+  its clients (an engine that created its CUDA context before the daemon ran, or under
+  another pipe directory, runs without MPS however the daemon answers).
 - **Direct chunk input**: the builder's inputs compared with vLLM's renderer's, byte for
   byte, on a second of faint noise; any difference keeps the renderer.
 """
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from workers.engines.base import EngineError
+from workers.engines.mps import mps_advice, mps_refused, mps_unserved
 from workers.engines.vllm_options import (
     REANCHOR_TESTED,
     SLACK_POSITIONS,
@@ -40,6 +45,8 @@ mismatch or an exception can be long (a repr of token ids), a status line cannot
 DIRECT_CHECK_S = 60.0
 """The direct-input check builds ~30 prompts both ways (~1 ms each on the H200); a check
 that has not answered in a minute is a renderer that hangs, and the engine renders."""
+ENGINE_CORE_TITLE = "EngineCore"
+"""vLLM titles its engine-core process so ("VLLM::EngineCore…", setproctitle)."""
 
 
 def bounded(why: str, limit: int = WHY_CHARS) -> str:
@@ -66,6 +73,8 @@ class StartReport:
     mode_why: str | None  # why sessions roll over although re-anchoring was asked for
     kv_sessions: int | None
     session_slots: int
+    mps_served: bool
+    mps_why: str | None  # why not, where a daemon answered
     direct_input: bool
     direct_why: str | None  # why not, where it was wanted
 
@@ -127,6 +136,42 @@ def no_room(probe: dict[str, Any], o: VllmEngineOptions, g: StreamGeometry) -> s
     return None
 
 
+def engine_core_pids(probe: dict[str, Any]) -> list[int]:
+    """This engine's engine-core process: the plugin worker's pid (its probe), else this
+    process's children that vLLM titled "EngineCore" (psutil, a vLLM dependency)."""
+    pid = probe.get("pid")
+    if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+        return [pid]
+    try:
+        import psutil
+    except ImportError:
+        return []
+    found: list[int] = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if (ENGINE_CORE_TITLE in child.name()
+                    or any(ENGINE_CORE_TITLE in arg for arg in child.cmdline())):
+                found.append(child.pid)
+        except psutil.Error:  # gone, or not ours to read: not our engine core
+            continue
+    return found
+
+
+async def check_mps(o: VllmEngineOptions, pids: Collection[int], daemon: bool
+                    ) -> tuple[bool, str | None]:
+    """Whether CUDA MPS serves this engine; refused where the operator said it would
+    (`cuda_mps`) and it does not. `daemon`: a control daemon answered before the start."""
+    why = await asyncio.to_thread(mps_unserved, pids)
+    if why is None:
+        return True, None
+    if o.cuda_mps:
+        raise EngineError(mps_refused(why), retryable=False)
+    advice = mps_advice(o.engines_per_gpu, on=False)
+    if advice:
+        log.warning("vllm engine: %s (%s)", advice, why)
+    return False, bounded(why) if daemon else None
+
+
 async def check_direct(backend: CheckedBackend, o: VllmEngineOptions
                        ) -> tuple[bool, str | None]:
     """Direct chunk input where it is wanted and its inputs equal the renderer's now."""
@@ -148,8 +193,8 @@ async def check_direct(backend: CheckedBackend, o: VllmEngineOptions
     return False, why
 
 
-async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGeometry
-                      ) -> StartReport:
+async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGeometry,
+                      *, daemon: bool) -> StartReport:
     """Every check, in the order that refuses soonest; raises EngineError to refuse."""
     probe: dict[str, Any] = {}
     reanchoring = False
@@ -176,7 +221,8 @@ async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGe
              "reanchor" if reanchoring else "rollover", mode_why or "ok",
              held if held is not None else "unknown")
     slots = session_slots(o.max_streams + headroom(o), o.max_streams, held)
+    served, mps_why = await check_mps(o, engine_core_pids(probe), daemon)
     direct, direct_why = await check_direct(backend, o)
     return StartReport(probe=probe, reanchoring=reanchoring, mode_why=mode_why,
-                       kv_sessions=held, session_slots=slots, direct_input=direct,
-                       direct_why=direct_why)
+                       kv_sessions=held, session_slots=slots, mps_served=served,
+                       mps_why=mps_why, direct_input=direct, direct_why=direct_why)

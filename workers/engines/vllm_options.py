@@ -98,7 +98,8 @@ class VllmEngineOptions:
     gain shown: the engine core's CPU bounds it there), else "blocks"."""
     cuda_mps: bool = False
     """The operator says the GPU node runs CUDA MPS (`engine.vllm.cuda_mps`): the engine
-    refuses to start where no MPS daemon answers (its budget assumed MPS)."""
+    refuses to start where MPS does not serve it (its budget assumed MPS): no daemon
+    answers, or its engine core is not a client of the daemon's server (vllm_checks.py)."""
     engines_per_gpu: int = 1
     """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
     one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""

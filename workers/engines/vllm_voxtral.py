@@ -52,7 +52,7 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
-from workers.engines.mps import mps_advice, mps_missing, mps_servers
+from workers.engines.mps import mps_missing, mps_servers
 from workers.engines.vllm_checks import CheckedBackend, check_start
 from workers.engines.vllm_options import (  # re-exported: the engine's public names
     AHEAD_FRAMES,
@@ -287,6 +287,9 @@ class VllmVoxtralEngine(SpeechEngine):
         self.aborts = 0
         self.mps: list[str] | None = None
         """CUDA MPS servers on this GPU node at start (workers/engines/mps.py); None: none."""
+        self.mps_served = False
+        """CUDA MPS serves this engine: its engine core is a client (checked at start)."""
+        self.mps_why: str | None = None  # why not, where a daemon answered
         self.slot_refusals = 0
         self.overruns = 0
         self.reanchor_probe: dict[str, Any] = {}
@@ -316,10 +319,7 @@ class VllmVoxtralEngine(SpeechEngine):
     async def start(self) -> None:
         self.mps = await asyncio.to_thread(mps_servers)
         if self.options.cuda_mps and self.mps is None:
-            raise EngineError(mps_missing())
-        advice = mps_advice(self.options.engines_per_gpu, self.mps)
-        if advice:
-            log.warning("vllm engine: %s", advice)
+            raise EngineError(mps_missing())  # before minutes of loading a model for nothing
         if self._backend is not None:
             self._start_stats()
             return
@@ -327,13 +327,15 @@ class VllmVoxtralEngine(SpeechEngine):
         real = await asyncio.to_thread(self._factory, self.options)
         self._backend = real
         try:
-            checked = await check_start(real, self.options, self.geometry)
+            checked = await check_start(real, self.options, self.geometry,
+                                        daemon=self.mps is not None)
         except BaseException:
             await self.aclose()  # refused (or cancelled): its GPU memory goes back now
             raise
         self.reanchor_probe, self.reanchoring = checked.probe, checked.reanchoring
         self.mode_why, self.kv_sessions = checked.mode_why, checked.kv_sessions
         self.max_sessions = checked.session_slots
+        self.mps_served, self.mps_why = checked.mps_served, checked.mps_why
         self.direct_input, self.direct_why = checked.direct_input, checked.direct_why
         if self.options.sync_free_melspec:
             self.melspec = await switch_lever(real, "set_melspec", True)
@@ -409,7 +411,8 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
                                      if self.window_trim.get("on") else "vllm"),
-                "engine_mps": "off" if self.mps is None else "on",
+                "engine_mps": "on" if self.mps_served else "off",
+                **({"engine_mps_why": self.mps_why} if self.mps_why else {}),
                 "engine_session_slots": str(self.max_sessions),
                 **({"engine_mode_why": self.mode_why} if self.mode_why else {}),
                 **({"engine_kv_sessions": str(self.kv_sessions)}
