@@ -146,6 +146,8 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
                    rtf=_round(busy / audio, 3) if busy is not None and audio else None,
                    engine_ok=None if ok is None else bool(ok),
                    engine_mode=h.get("engine_mode"),
+                   # why a vllm engine rolls over although re-anchoring was asked for
+                   engine_mode_why=h.get("engine_mode_why") or None,
                    reanchors=int(_num(h, "reanchors") or 0) if "reanchors" in h else None)
     elif out["role"] == "translator":
         out.update(finals_published=int(_num(h, "finals_published") or 0),
@@ -252,6 +254,8 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
             parts = [f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else "",
                      "ENGINE DEAD" if a.get("engine_ok") is False else "",
                      a.get("engine_mode") or ""]
+            if a.get("engine_mode_why"):
+                parts[-1] += f" (re-anchoring off: {a['engine_mode_why']})"
             if a.get("reanchors"):
                 parts.append(f"{a['reanchors']} re-anchors")
             extra = ", ".join(p for p in parts if p)

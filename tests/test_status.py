@@ -24,6 +24,7 @@ from workers.events import StreamOptions
 pytestmark = pytest.mark.integration
 
 SECRET = "Caption words never reach status output"
+INT4 = "KV cache dtype 'int4_per_token_head' is stored as bytes this plugin cannot rotate"
 
 
 def streams() -> list[GatewayStream]:
@@ -59,10 +60,14 @@ async def seed(bus: RedisBus, now: float) -> None:
                                                   "updated": repr(now - 600)})
     await bus.set_actor_status("asr-3", {"streams": 2, "max_streams": 16, "engine_ok": 0,
                                          "engine_mode": "reanchor", "reanchors": 12,
-                                         "reanchoring": 1.0})
+                                         "reanchoring": 1.0, "engine_mode_why": ""})
     await bus.set_actor_status("asr-7", {"streams": 1, "max_streams": 2})
+    # asr-4 asked for re-anchoring and its engine's probe refused: it rolls over.
+    await bus.set_actor_status("asr-4", {"streams": 1, "max_streams": 16, "engine_ok": 1,
+                                         "engine_mode": "rollover", "reanchoring": 0.0,
+                                         "engine_mode_why": INT4})
     await register_actors(bus, ["asr-7"])
-    await register_actors(bus, ["asr-0", "asr-3", "asr-9", "translator-0"])
+    await register_actors(bus, ["asr-0", "asr-3", "asr-4", "asr-9", "translator-0"])
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -100,10 +105,13 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert hall["translations"]["es"]["last_age_s"] is None
     assert annex["state"] == "unplaced"
     actors = {a["id"]: a for a in body["actors"]}
-    assert set(actors) == {"asr-0", "asr-3", "asr-9", "translator-0"}
+    assert set(actors) == {"asr-0", "asr-3", "asr-4", "asr-9", "translator-0"}
     assert actors["asr-3"]["engine_ok"] is False
     assert actors["asr-3"]["engine_mode"] == "reanchor" and actors["asr-3"]["reanchors"] == 12
     assert actors["asr-0"]["engine_ok"] is None  # an engine that says nothing
+    # why an engine asked to re-anchor rolls over; nothing where it re-anchors
+    assert actors["asr-4"]["engine_mode_why"] == INT4
+    assert actors["asr-3"]["engine_mode_why"] is None
     assert actors["asr-0"]["rtf"] == 0.25 and not actors["asr-0"]["silent"]
     assert actors["asr-9"]["silent"]
     assert actors["translator-0"]["queue_waiting"] == 3
@@ -122,6 +130,9 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert "1/2 streams" in out and "rtf 0.25" in out and "SILENT" in out
     asr3 = next(line for line in out.splitlines() if line.startswith("asr-3 "))
     assert "ENGINE DEAD" in asr3 and "reanchor" in asr3 and "12 re-anchors" in asr3
+    assert "re-anchoring off" not in asr3
+    asr4 = next(line for line in out.splitlines() if line.startswith("asr-4 "))
+    assert f"rollover (re-anchoring off: {INT4})" in asr4
     assert "Clients: 1 connected; hall: pt 1" in out
     assert as_json.returncode == 0
     assert json.loads(as_json.stdout)["streams"][0]["id"] == "hall"

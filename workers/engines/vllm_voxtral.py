@@ -403,18 +403,20 @@ class VllmVoxtralEngine(SpeechEngine):
         self.sessions_open -= 1
 
     def describe(self) -> dict[str, str]:
+        """Health's and the actor status hash's view. The `*_why` keys are always there
+        ("" when there is nothing to explain): the hash keeps a field a later report leaves
+        out, and a restarted engine must not show its predecessor's reason."""
         version = getattr(self._backend, "version", "")
-        return {"engine_mode": self.mode,
+        return {"engine_mode": self.mode, "engine_mode_why": self.mode_why or "",
                 "engine_input": "direct" if self.direct_input else "renderer",
-                **({"engine_input_why": self.direct_why} if self.direct_why else {}),
+                "engine_input_why": self.direct_why or "",
                 "engine_melspec": "sync-free" if self.melspec.get("on") else "vllm",
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
                                      if self.window_trim.get("on") else "vllm"),
                 "engine_mps": "on" if self.mps_served else "off",
-                **({"engine_mps_why": self.mps_why} if self.mps_why else {}),
+                "engine_mps_why": self.mps_why or "",
                 "engine_session_slots": str(self.max_sessions),
-                **({"engine_mode_why": self.mode_why} if self.mode_why else {}),
                 **({"engine_kv_sessions": str(self.kv_sessions)}
                    if self.kv_sessions is not None else {}),
                 **({"vllm": version} if version else {})}
