@@ -34,6 +34,7 @@ FRAME = 1280
 class Completion:
     token_ids: list[int]
     text: str
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -47,6 +48,10 @@ class FakeVllmBackend:
     right_pad: int = 3
     text_every: int = 5
     fail_after: int | None = None
+    error_after: int | None = None
+    """The next request ends after this many outputs the way vLLM ends one its engine core
+    finished in error (a last output with finish_reason "error", then the generator ends);
+    once: later requests run normally."""
     shutdown_block_s: float = 0.0
     errored: bool = False
     aborted: list[str] = field(default_factory=list)
@@ -137,6 +142,10 @@ class FakeVllmBackend:
         async for _ in prompts:
             if self.fail_after is not None and k >= self.fail_after:
                 raise RuntimeError("fake engine failure")
+            if self.error_after is not None and k >= self.error_after:
+                self.error_after = None
+                yield Output([Completion([], "", "error")])
+                return
             text = f" w{k}" if (k + 1) % self.text_every == 0 else ""
             yield Output([Completion([32], text)])
             k += 1

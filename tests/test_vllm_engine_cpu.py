@@ -34,7 +34,7 @@ from workers.engines.vllm_voxtral import (
     wants_reanchor,
 )
 from workers.events import SAMPLE_RATE, AudioChunk, Word
-from workers.sessions.manager import session_budget
+from workers.sessions.manager import SessionManager, SessionPolicy, session_budget
 
 pytestmark = pytest.mark.unit
 
@@ -374,6 +374,69 @@ def test_a_failing_request_is_an_engine_error() -> None:
     assert err.value.retryable
 
 
+def test_a_request_the_engine_ended_in_error_fails_the_session_for_a_new_one() -> None:
+    """The re-anchoring scheduler ends a request whose keys it could not rotate with
+    FINISHED_ERROR: its last output says finish_reason "error" and its generator ends.
+    That is not an end of audio: the session fails with a retryable error, counted, and
+    the request is not aborted again. Negative control: a request that ends normally (our
+    END) fails nothing. The error is the FAKE backend's, shaped as vLLM's output."""
+    async def go(error_after: int | None) -> tuple[BaseException | None, VllmVoxtralEngine,
+                                                  FakeVllmBackend, list[str]]:
+        backend = FakeVllmBackend(error_after=error_after, right_pad=0, text_every=1)
+        engine = engine_with(backend)
+        session = engine.open_session(SessionOptions("s"))
+        for i in range(30):
+            await session.push(chunk(i))
+        await session.end_input()
+        words: list[str] = []
+        try:
+            async for d in session:
+                words += [w.text for w in d.committed]
+        except EngineError as exc:
+            return exc, engine, backend, words
+        return None, engine, backend, words
+
+    failed, engine, backend, words = run(go(5))  # type: ignore[misc]
+    assert isinstance(failed, EngineError) and failed.retryable
+    assert "ended the request because a re-anchor failed" in str(failed)
+    assert words == [" w0", " w1", " w2", " w3", " w4"]  # nothing from the errored output
+    assert engine.stats()["request_errors"] == 1
+    assert backend.aborted == [] and engine.aborts == 0 and engine.sessions_open == 0
+    ended, engine, backend, _ = run(go(None))  # type: ignore[misc]
+    assert ended is None and engine.stats()["request_errors"] == 0
+
+
+def test_the_session_manager_replaces_a_session_whose_request_ended_in_error() -> None:
+    """Through the real session manager: the failed session is replaced at once (reason
+    engine_error, counted), and the stream goes on captioning on the new one. The error
+    is the FAKE backend's (its first request ends in error after 5 outputs)."""
+    async def go() -> tuple[SessionManager, FakeVllmBackend, VllmVoxtralEngine, int]:
+        backend = FakeVllmBackend(error_after=5, right_pad=0, text_every=1)
+        engine = engine_with(backend, reanchor="off")
+        manager = SessionManager(engine, SessionOptions("s"),
+                                 SessionPolicy(restart_backoff_s=0.0))
+        manager.start()
+        words = 0
+
+        async def consume() -> None:
+            nonlocal words
+            async for delta in manager:
+                words += len(delta.committed)
+
+        task = asyncio.create_task(consume())
+        for i in range(100):  # 8 s of silence, at 8 × real time
+            await manager.push(chunk(i))
+            await asyncio.sleep(0.01)
+        await manager.end_input()
+        await asyncio.wait_for(task, 15)
+        return manager, backend, engine, words
+
+    manager, backend, engine, words = run(go(), 40)  # type: ignore[misc]
+    assert manager.counters["rollovers_engine_error"] == 1
+    assert len(backend.requests) == 2 and engine.stats()["request_errors"] == 1
+    assert words > 20, "the new session captions on"
+
+
 def test_closing_mid_stream_aborts_the_request() -> None:
     async def go() -> FakeVllmBackend:
         backend = FakeVllmBackend()
@@ -650,3 +713,17 @@ def test_sessions_of_an_engine_whose_direct_check_failed_go_through_the_renderer
 
     assert run(go(True)) == 1
     assert run(go(False)) == 0
+
+
+def test_reanchor_stats_tell_routine_deferrals_from_failed_rotations() -> None:
+    """The plugin worker's counts (polled into reanchor_counts): a re-anchor deferred
+    because a step of the request is still in flight is routine (tried again at its next
+    chunk); a rotation that raised ended a request and is what the alert counts."""
+    engine = engine_with(FakeVllmBackend())
+    engine.reanchor_counts = {"reanchors": 7, "rotation_failed": 2, "deferred": {
+        "a step of this request is still in flight": 40, "no block to free yet": 3}}
+    stats = engine.stats()
+    assert stats["reanchors"] == 7 and stats["reanchor_deferred"] == 43
+    assert stats["reanchor_rotation_failures"] == 2
+    assert "reanchor_failures" not in stats
+    assert engine_with(FakeVllmBackend()).stats()["reanchor_rotation_failures"] == 0

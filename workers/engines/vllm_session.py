@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ENGINE_ENDED_IN_ERROR = "error"
+"""`CompletionOutput.finish_reason` of a request the engine core finished with
+`RequestStatus.FINISHED_ERROR` (vLLM's `str(FinishReason.ERROR)`). The re-anchoring
+scheduler ends a request so when rotating its cached keys raised: part of its layers may
+be rotated and part not, and decoding on would caption from keys at wrong positions. Its
+generator then ends like a finished one, so the session must not take it for one."""
+
 
 class FrameMap:
     """Model audio offsets (samples fed to this session) → stream sample positions.
@@ -116,7 +123,7 @@ class VllmVoxtralSession(RecognizeSession):
                     self.fed_samples += item.samples
                     yield np.frombuffer(item.pcm, dtype="<i2").astype(np.float32) / 32768.0
 
-        finished = False
+        finished = in_error = False
         every = engine.options.reanchor_every if engine.reanchoring else None
         try:
             prompts = backend.direct_prompts if self.direct_input else backend.prompts
@@ -125,6 +132,11 @@ class VllmVoxtralSession(RecognizeSession):
                 if not out.outputs:
                     continue
                 o = out.outputs[0]
+                if getattr(o, "finish_reason", None) == ENGINE_ENDED_IN_ERROR:
+                    # Its last output (finished): vLLM's generator ends after it, and its
+                    # cleanup runs then rather than at garbage collection.
+                    in_error = True
+                    continue
                 k = self.outputs
                 self.outputs += 1
                 self._heard(self._frames.stream_pos(self.outputs * FRAME))
@@ -133,8 +145,18 @@ class VllmVoxtralSession(RecognizeSession):
                 if o.text:
                     self._out.put_nowait(TranscriptDelta(committed=(self._word(o.text, k),)))
             # Either our END flushed it, or the engine ended the session on its own
-            # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
+            # (max_model_len on vLLM >= 0.33, or in error); the session manager takes it
+            # from here. The engine core has let go of the request: nothing to abort.
             finished = True
+            if in_error:
+                engine.request_errors += 1
+                log.warning("stream %s: the vllm engine ended its request with an error (a "
+                            "failed re-anchor); the session is replaced",
+                            self.options.stream_id)
+                raise EngineError(
+                    f"stream {self.options.stream_id}: the vllm engine ended the request "
+                    f"because a re-anchor failed (its cached keys could not be rotated, so "
+                    f"they are not trusted); a new session takes over")
             if not ended:
                 log.info("stream %s: engine ended the session", self.options.stream_id)
         except Exception as exc:

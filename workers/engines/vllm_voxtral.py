@@ -292,6 +292,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.mps_why: str | None = None  # why not, where a daemon answered
         self.slot_refusals = 0
         self.overruns = 0
+        self.request_errors = 0  # requests the engine core ended in error (vllm_session.py)
         self.reanchor_probe: dict[str, Any] = {}
         self.mode_why: str | None = None  # why sessions roll over though asked to re-anchor
         self.kv_sessions: int | None = None  # aged sessions the KV cache holds (probe)
@@ -422,9 +423,13 @@ class VllmVoxtralEngine(SpeechEngine):
                 **({"vllm": version} if version else {})}
 
     def stats(self) -> dict[str, float]:
+        """Counters since start. From the plugin worker (`reanchor_counts`): re-anchors
+        applied, those `deferred` (a routine wait: a step of the request still in flight,
+        tried again at its next chunk) and rotations that raised (each ended its request)."""
         counts = self.reanchor_counts
         return {"sessions_open": self.sessions_open, "aborts": self.aborts,
                 "slot_refusals": self.slot_refusals, "reanchoring": float(self.reanchoring),
                 "reanchors": float(counts.get("reanchors", 0)),
-                "reanchor_failures": float(sum(counts.get("failures", {}).values())),
-                "reanchor_overruns": self.overruns}
+                "reanchor_deferred": float(sum(counts.get("deferred", {}).values())),
+                "reanchor_rotation_failures": float(counts.get("rotation_failed", 0)),
+                "reanchor_overruns": self.overruns, "request_errors": self.request_errors}
