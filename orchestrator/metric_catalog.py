@@ -149,6 +149,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _ray("babelcast_engine_reanchors_total", "counter",
          "Session re-anchors the actor's vllm engine applied (positions lowered, cached "
          "keys re-rotated)", "actor"),
+    _ray("babelcast_engine_reanchor_rotation_failures_total", "counter",
+         "Re-anchors whose rotation of a session's cached keys raised in the actor's vllm "
+         "engine core; each ended its request and the session was replaced (alert "
+         "AsrReanchorRotationFailed)", "actor"),
     # ---- ingest actors (workers/ingest.py) ----
     _ray("babelcast_source_audio_seconds_total", "counter",
          "Seconds of audio decoded from the stream's source and written to Redis", "stream"),

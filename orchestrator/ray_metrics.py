@@ -117,6 +117,7 @@ ACTOR_COUNTERS: dict[str, str] = {
     "engine_busy_s": "babelcast_engine_busy_seconds_total",
     "engine_steps": "babelcast_engine_steps_total",
     "engine_reanchors": "babelcast_engine_reanchors_total",
+    "engine_reanchor_rotation_failures": "babelcast_engine_reanchor_rotation_failures_total",
 }
 ACTOR_GAUGES: dict[str, str] = {
     "engine_healthy": "babelcast_engine_healthy",

@@ -122,7 +122,8 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
     asr.caption_published("room-a", True, 1.2)
     asr.caption_published("room-a", False, 0.4)
     asr.caption_published("room-a", True, None)
-    asr.actor_update("asr-0", {"engine_busy_s": 0.5, "engine_steps": 2, "engine_reanchors": 1},
+    asr.actor_update("asr-0", {"engine_busy_s": 0.5, "engine_steps": 2, "engine_reanchors": 1,
+                               "engine_reanchor_rotation_failures": 0},
                      {"engine_healthy": 1.0, "engine_reanchoring": 1.0})
     ingest = ray_metrics.RayMetricsSink("ingest-0", instruments)
     ingest.stream_update("room-a", {"source_audio_s": 1.0, "source_reconnects": 1,

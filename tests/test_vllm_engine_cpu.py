@@ -727,3 +727,30 @@ def test_reanchor_stats_tell_routine_deferrals_from_failed_rotations() -> None:
     assert stats["reanchor_rotation_failures"] == 2
     assert "reanchor_failures" not in stats
     assert engine_with(FakeVllmBackend()).stats()["reanchor_rotation_failures"] == 0
+
+
+def test_the_asr_actor_exports_failed_rotations_as_a_counter_from_zero() -> None:
+    """babelcast_engine_reanchor_rotation_failures_total (alert AsrReanchorRotationFailed):
+    the ASR actor turns the engine's cumulative count into increments, the series exists
+    at 0 from the first report (so increase() sees the first failure), and the deferrals
+    stay out of it."""
+    from orchestrator import ray_metrics
+    from orchestrator.metric_catalog import spec
+    from workers.asr import AsrHost, AsrHostOptions
+    from workers.telemetry import RecordingSink
+
+    engine = engine_with(FakeVllmBackend())
+    sink = RecordingSink()
+    host = AsrHost(AsrHostOptions("asr-0", "redis://unused", 4), engine, sink)
+    key = ("asr-0", "engine_reanchor_rotation_failures")
+    engine.reanchor_counts = {"reanchors": 3, "deferred": {"in flight": 9}}
+    host._export_engine(engine.stats())
+    assert sink.actor_counters[key] == 0
+    engine.reanchor_counts = {"reanchors": 5, "deferred": {"in flight": 30},
+                              "rotation_failed": 2}
+    host._export_engine(engine.stats())
+    host._export_engine(engine.stats())
+    assert sink.actor_counters[key] == 2
+    name = ray_metrics.ACTOR_COUNTERS[key[1]]
+    assert name == "babelcast_engine_reanchor_rotation_failures_total"
+    assert spec(name).kind == "counter" and spec(name).labels == ("actor",)

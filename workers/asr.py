@@ -594,7 +594,8 @@ class AsrHost:
             return
         counters: dict[str, float] = {}
         for key, name in (("decode_busy_s", "engine_busy_s"), ("decode_calls", "engine_steps"),
-                          ("reanchors", "engine_reanchors")):
+                          ("reanchors", "engine_reanchors"),
+                          ("reanchor_rotation_failures", "engine_reanchor_rotation_failures")):
             if key in stats:
                 counters[name] = max(0.0, stats[key] - self._engine_seen.get(key, 0.0))
                 self._engine_seen[key] = stats[key]
