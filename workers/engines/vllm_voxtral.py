@@ -25,6 +25,10 @@ What this engine adds to that loop, for sessions that run a whole event:
   `max_num_seqs` has the same headroom, for warm rollovers.
 - **Health.** A dead engine core makes `check_health()` false, and new sessions fail
   at once with a non-retryable error instead of hanging.
+- **Checked at start** (`vllm_checks.py`): every lever the budget counts on (the plugin's
+  probe, the KV cache against the slots, CUDA MPS serving the engine core, direct input
+  equal to the renderer's) is checked on the engine that will serve; a lever that fails
+  is off with its reason in `describe()`, a setting it cannot honour refuses the start.
 
 `vllm` is imported lazily, inside `_AsyncLLMBackend` only: everything else
 (options → engine args, capability detection, session bookkeeping) is plain
