@@ -73,9 +73,12 @@ class FakeVllmBackend:
         default_factory=lambda: {"prompts": 30, "equal": True, "mismatches": []})
     """vllm_direct.check_equal_async's report (its keys), or what running it raises."""
     direct_checks: int = 0
+    direct_check_s: float = 0.0
+    """How long the direct-input check takes to answer (a hung renderer: long)."""
 
     async def check_direct(self) -> dict[str, Any]:
         self.direct_checks += 1
+        await asyncio.sleep(self.direct_check_s)
         if isinstance(self.direct_answer, Exception):
             raise self.direct_answer
         return dict(self.direct_answer)

@@ -691,6 +691,20 @@ def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_r
         assert backend.direct_checks == 0
 
 
+def test_a_direct_input_check_that_does_not_answer_keeps_the_renderer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renderer that hangs must not hang the engine's start: past its time the check
+    counts as failed. Negative control: a check that answers in time is taken. (The
+    FAKE backend's check sleeps; the limit is shortened from 60 s for the test.)"""
+    monkeypatch.setattr("workers.engines.vllm_checks.DIRECT_CHECK_S", 0.2)
+    slow = FakeVllmBackend(version="0.26.0", direct_check_s=30.0)
+    d = run(started(built(slow, tmp_path)), 10)
+    assert d["engine_input"] == "renderer"  # type: ignore[index]
+    assert d["engine_input_why"].startswith("its check failed: TimeoutError")  # type: ignore[index]
+    quick = FakeVllmBackend(version="0.26.0", direct_check_s=0.01)
+    assert run(started(built(quick, tmp_path)), 10)["engine_input"] == "direct"  # type: ignore[index]
+
+
 def test_sessions_of_an_engine_whose_direct_check_failed_go_through_the_renderer(
         tmp_path: Path) -> None:
     """What the check decided is what the sessions do (the FAKE backend counts the sessions

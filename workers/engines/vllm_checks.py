@@ -25,6 +25,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from workers.aio import wait_for
 from workers.engines.base import EngineError
 from workers.engines.mps import mps_advice, mps_refused, mps_unserved
 from workers.engines.vllm_options import (
@@ -178,7 +179,7 @@ async def check_direct(backend: CheckedBackend, o: VllmEngineOptions
     if not wants_direct(o, backend.version):
         return False, None
     try:
-        report = await asyncio.wait_for(backend.check_direct(), DIRECT_CHECK_S)
+        report = await wait_for(backend.check_direct(), DIRECT_CHECK_S)
     except Exception as exc:
         why = f"its check failed: {type(exc).__name__}: {exc}"
     else:
