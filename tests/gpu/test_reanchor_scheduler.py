@@ -2,10 +2,16 @@
 `VllmConfig` for the Voxtral model folder, a real hybrid KV cache config (the decoder's
 sliding window and the pooled encoder's, as vLLM groups them), the plugin's
 `ReanchorAsyncScheduler`, and streaming requests fed chunk by chunk as AsyncLLM feeds
-them, with one sampled token per step. A re-anchoring request runs for 3 ×
-max_model_len; a stock one beside it is untouched.
+them — features with the placeholders vLLM gives them (39 positions for the first
+prompt, then 2 per 80 ms chunk, overlapping by one) — with one sampled token per step.
 
-Runs with the GPU tier (BABELCAST_VOXTRAL_DIR set; fails if vLLM is missing).
+At every step a model of the GPU runner's encoder cache (`EncoderCacheModel`) checks what
+vLLM 0.26's V2 runner checks: every feature a scheduled query overlaps has been encoded
+and not freed, else "Encoder cache miss" (which kills the engine core). Its negative
+control puts the old shift rule back (a kept feature at offset -1) and must see the miss.
+
+Runs with the GPU tier (BABELCAST_VOXTRAL_DIR set; fails if vLLM is missing). It needs no
+GPU: with vLLM installed on a CPU host (its platform forced to CPU) it runs there too.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,11 +32,16 @@ if not MODEL_DIR:
 if not importlib.util.find_spec("vllm"):
     pytest.fail("BABELCAST_VOXTRAL_DIR is set but vLLM is missing", pytrace=False)
 
+from workers.engines.vllm_reanchor import plan  # noqa: E402
 from workers.engines.vllm_reanchor.scheduler import (  # noqa: E402
     FAILURES_ATTR,
+    PREEMPT_ARG,
     REANCHORS_ATTR,
+    ROTATION_FAILURES,
     ReanchorAsyncScheduler,
 )
+
+FIRST, CHUNK = 39, 2  # placeholder lengths vLLM 0.26 gives (mistral_common num_audio_tokens)
 
 
 def scheduler(window: int, max_model_len: int) -> Any:
@@ -61,40 +73,109 @@ def scheduler(window: int, max_model_len: int) -> Any:
                                   include_finished_set=False, log_stats=False)
 
 
+class EncoderCacheModel:
+    """What the GPU runner's encoder cache holds, from the scheduler's outputs: freed
+    hashes go first (`free_states`), this step's scheduled encoder inputs are encoded,
+    then every scheduled query gathers from each feature it overlaps (vLLM 0.26
+    worker/gpu/mm/encoder_runner.py: a feature in the window that is not cached is an
+    "Encoder cache miss")."""
+
+    def __init__(self) -> None:
+        self.cached: set[str] = set()
+        self.misses: list[str] = []
+        self.negative_offsets = 0
+
+    def step(self, sched: Any, out: Any) -> None:
+        for h in out.free_encoder_mm_hashes:
+            self.cached.discard(h)
+        for rid, inputs in out.scheduled_encoder_inputs.items():
+            feats = sched.requests[rid].mm_features
+            self.cached.update(feats[i].identifier for i in inputs)
+        for rid, n in out.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            end = req.num_computed_tokens  # advanced by n when it was scheduled
+            start = end - n
+            feats = req.mm_features
+            if feats and feats[0].mm_position.offset < 0:  # in offset order
+                self.negative_offsets += 1
+            # vLLM's get_mm_features_in_window: features ending after `start` and
+            # starting before `end` (offsets and ends both ascend), newest first
+            for f in reversed(feats):
+                if f.mm_position.offset + f.mm_position.length <= start:
+                    break
+                if f.mm_position.offset < end and f.identifier not in self.cached:
+                    self.misses.append(f"{rid}@{start}: {f.identifier} at "
+                                       f"{f.mm_position.offset}")
+
+
+class Feed:
+    """Streaming requests fed as AsyncLLM feeds them, one sampled blank per step."""
+
+    def __init__(self, sched: Any, params: dict[str, Any]) -> None:
+        from vllm.v1.request import Request
+
+        self.sched, self.params, self._request = sched, params, Request
+        self.ids = itertools.count()
+        self.fed = dict.fromkeys(params, FIRST)
+        self.encoder = EncoderCacheModel()
+        self.shifts: list[int] = []
+        for rid in params:
+            sched.add_request(self.chunk(rid, FIRST, FIRST))
+
+    def chunk(self, rid: str, tokens: int, placeholder: int) -> Any:
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        feature = MultiModalFeatureSpec(data=None, modality="audio",
+                                        identifier=f"h{next(self.ids)}",
+                                        mm_position=PlaceholderRange(0, placeholder))
+        return self._request(request_id=rid, prompt_token_ids=[32] * tokens,
+                             sampling_params=self.params[rid], pooling_params=None,
+                             mm_features=[feature], resumable=True)
+
+    def steps(self, stop_still_at: int | None = None) -> Iterator[Any]:
+        """Schedule, check, sample, queue each stepped request's next chunk; yields each
+        step's output before its model output is applied."""
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+
+        while True:
+            out = self.sched.schedule()
+            self.shifts += [r.shift for r in getattr(out, REANCHORS_ATTR, ())]
+            self.encoder.step(self.sched, out)
+            yield out
+            stepped = list(out.num_scheduled_tokens)
+            self.engine_outputs = self.sched.update_from_output(out, ModelRunnerOutput(
+                req_ids=stepped, req_id_to_index={r: i for i, r in enumerate(stepped)},
+                sampled_token_ids=[[32] for _ in stepped]))
+            for rid in stepped:
+                req = self.sched.requests.get(rid)
+                if req is None or req.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+                    continue  # ended, or a recompute that has more to do
+                if stop_still_at is not None and rid == "still" and self.fed[rid] >= stop_still_at:
+                    continue  # a stock session ends before the cap (the session budget)
+                self.sched.add_request(self.chunk(rid, 1, CHUNK))
+                self.fed[rid] += 1
+
+
+def sampling(every: int | None = None, **extra: Any) -> Any:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    args = {"babelcast_reanchor_every": every, **extra} if every else None
+    return SamplingParams.from_optional(temperature=0.0, max_tokens=1,
+                                        output_kind=RequestOutputKind.DELTA, extra_args=args)
+
+
 @pytest.mark.parametrize(("window", "max_model_len", "every"),
                          [(256, 2048, 128), (8192, 32768, 4096)])
 def test_a_reanchoring_request_runs_three_times_max_model_len(
         window: int, max_model_len: int, every: int) -> None:
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
     sched = scheduler(window, max_model_len)
-    params = {
-        "moved": SamplingParams.from_optional(
-            temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA,
-            extra_args={"babelcast_reanchor_every": every}),
-        "still": SamplingParams.from_optional(temperature=0.0, max_tokens=1,
-                                              output_kind=RequestOutputKind.DELTA),
-    }
-    ids = itertools.count()
-
-    def chunk(rid: str, n: int) -> Any:
-        feature = MultiModalFeatureSpec(data=None, modality="audio", identifier=f"h{next(ids)}",
-                                        mm_position=PlaceholderRange(0, n))
-        return Request(request_id=rid, prompt_token_ids=[32] * n, sampling_params=params[rid],
-                       pooling_params=None, mm_features=[feature], resumable=True)
-
-    for rid in params:
-        sched.add_request(chunk(rid, 39))
-    fed = dict.fromkeys(params, 39)
-    shifts: list[int] = []
-    longest = dict.fromkeys(params, 0)
+    feed = Feed(sched, {"moved": sampling(every), "still": sampling()})
+    longest = dict.fromkeys(feed.params, 0)
     target = 3 * max_model_len if window < 1000 else 22_000
-    while fed["moved"] < target:
-        out = sched.schedule()
-        shifts += [r.shift for r in getattr(out, REANCHORS_ATTR, ())]
+    for out in feed.steps(stop_still_at=max_model_len - 80):
+        if feed.fed["moved"] >= target:
+            break
         assert not getattr(out, FAILURES_ATTR, None)
         for new in out.scheduled_new_reqs:
             longest[new.req_id] = max(longest[new.req_id], len(new.prompt_token_ids))
@@ -105,18 +186,114 @@ def test_a_reanchoring_request_runs_three_times_max_model_len(
                 first = max(0, n - m.sliding_window + 1) // m.block_size
                 for b in range(first, (n - 1) // m.block_size + 1):
                     assert block_ids[b] != 0, (new.req_id, g, b)
-            if fed[new.req_id] % 50 == 0:
-                for f in new.mm_features:
-                    assert 0 <= f.mm_position.offset < len(new.prompt_token_ids)
-        stepped = list(out.num_scheduled_tokens)
-        sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=stepped, req_id_to_index={r: i for i, r in enumerate(stepped)},
-            sampled_token_ids=[[32] for _ in stepped]))
-        for rid in stepped:
-            if rid == "still" and fed[rid] >= max_model_len - 80:
-                continue  # a stock session ends before the cap (the session budget)
-            sched.add_request(chunk(rid, 1))
-            fed[rid] += 1
-    assert len(shifts) >= (target - window - every) // every
+            assert all(f.mm_position.length in (FIRST, CHUNK) for f in new.mm_features)
+    assert len(feed.shifts) >= (target - window - every) // every
     assert longest["moved"] < window + every + 2 * max(128, every // 8) + 64
     assert longest["still"] >= min(target, max_model_len - 80) - 100
+    assert not feed.encoder.misses and not feed.encoder.negative_offsets
+
+
+def preempted_run(preempts: int = 3, claims_cached: bool = False
+                  ) -> tuple[Feed, Any, list[int]]:
+    """A re-anchoring request preempted (vLLM's own `_preempt_request`) at a chunk after
+    a re-anchor, `preempts` times, then recomputed from position 0; returns the feed, the
+    scheduler and the length of each recompute."""
+    sched = scheduler(256, 2048)
+    if claims_cached:  # negative control: the scheduler schedules no encoder input again
+        sched.encoder_cache_manager.check_and_update_cache = lambda request, i: True
+    feed = Feed(sched, {"moved": sampling(128, **{PREEMPT_ARG: preempts}),
+                        "still": sampling()})
+    recomputes: list[int] = []
+    for out in feed.steps(stop_still_at=1900):
+        if feed.fed["moved"] >= 3000:
+            break
+        n = out.num_scheduled_tokens.get("moved", 0)
+        if n > FIRST and sched.requests["moved"].num_computed_tokens == n:
+            recomputes.append(n)  # scheduled from position 0: a recompute
+    return feed, sched, recomputes
+
+
+def test_a_reanchored_request_preempted_and_recomputed_finds_every_feature() -> None:
+    feed, sched, recomputes = preempted_run()
+    assert sched._bc_preempted.get("moved") == 3
+    assert len(recomputes) >= 3, recomputes  # each recompute took the whole history
+    assert len(feed.shifts) >= 15  # and it kept re-anchoring after them
+    assert not feed.encoder.misses, feed.encoder.misses[:5]
+    assert not feed.encoder.negative_offsets
+
+
+def _old_choose_shift(request: Any, geometry: plan.Geometry) -> int:
+    """The rule before 2-position placeholders were understood (negative control): back
+    off once to a straddling placeholder's start and stop checking."""
+    n = int(request.num_computed_tokens)
+    unit = geometry.unit
+    shift = (n - geometry.keep) // unit * unit
+    if shift <= 0:
+        return 0
+    for f in request.mm_features:
+        start, end = f.mm_position.offset, f.mm_position.offset + f.mm_position.length
+        if start < shift < end:
+            shift = start // unit * unit
+            break
+    return max(shift, 0)
+
+
+def test_the_checks_catch_the_old_shift_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for the feature check: the old shift rule keeps a feature at
+    offset -1 after re-anchors, which the check counts."""
+    monkeypatch.setattr(plan, "choose_shift", _old_choose_shift)
+    real_apply = plan.apply
+
+    def old_apply(request: Any, managers: Any, cache: Any, shift: int, *rest: Any) -> Any:
+        """The old feature rule: only placeholders wholly before D go."""
+        straddlers = [f for f in request.mm_features
+                      if f.mm_position.offset < shift < f.mm_position.offset
+                      + f.mm_position.length]
+        out = real_apply(request, managers, cache, shift, *rest)
+        request.mm_features[:0] = [
+            type(f)(data=f.data, modality=f.modality, identifier=f.identifier,
+                    mm_position=type(f.mm_position)(f.mm_position.offset - shift,
+                                                    f.mm_position.length),
+                    mm_hash=f.mm_hash) for f in straddlers]
+        return out
+
+    import workers.engines.vllm_reanchor.scheduler as sched_module
+
+    monkeypatch.setattr(sched_module, "apply", old_apply)
+    feed, _, _ = preempted_run()
+    assert feed.encoder.negative_offsets > 0
+
+
+def test_the_encoder_cache_check_catches_a_missing_encoder_output() -> None:
+    """Negative control for the encoder cache model: a scheduler that believes every
+    encoder output is still cached schedules none for a recompute, and the model sees
+    the misses the runner would raise."""
+    feed, _, _ = preempted_run(preempts=1, claims_cached=True)
+    assert feed.encoder.misses
+
+
+def test_a_failed_rotation_ends_its_request_with_an_error_and_no_token() -> None:
+    """Fail closed (the worker reports a rotation that raised): the next model output's
+    token for that request is dropped and vLLM ends it with FINISHED_ERROR, telling the
+    client; the request beside it goes on."""
+    from vllm.v1.engine import FinishReason
+
+    sched = scheduler(256, 2048)
+    feed = Feed(sched, {"moved": sampling(128), "still": sampling()})
+    ended: list[Any] = []
+    for out in feed.steps():
+        if feed.fed["moved"] == 600 and "moved" in out.num_scheduled_tokens and not ended:
+            ROTATION_FAILURES.report("moved")
+            ended.append(out)
+            continue
+        if ended:
+            outputs = [o for batch in feed.engine_outputs.values() for o in batch.outputs]
+            if len(ended) == 1:
+                mine = [o for o in outputs if o.request_id == "moved"]
+                assert [o.finish_reason for o in mine] == [FinishReason.ERROR], mine
+                assert all(not o.new_token_ids for o in mine)
+                ended.append(out)
+            if feed.fed["still"] >= 700:
+                break
+    assert sched.requests.get("moved") is None or sched.requests["moved"].is_finished()
+    assert feed.fed["still"] >= 700 and feed.fed["moved"] == 600

@@ -50,6 +50,11 @@ class Reanchor:
     request_id: str
     shift: int
     block_ids: tuple[tuple[int, ...], ...]
+    fault: str | None = None
+    """NEGATIVE CONTROLS ONLY (the GPU tier's, through a request's extra args): rotate
+    wrongly on purpose — "sign" (R(+D)), "block" (D less one KV block unit), "encoder_x1"
+    (the encoder's keys by D, not 4·D), "garbage" (keys replaced by noise). None always in
+    production."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +176,7 @@ def check(request: Any, managers: Sequence[Any], geometry: Geometry) -> int:
 
 
 def apply(request: Any, managers: Sequence[Any], encoder_cache: Any, shift: int,
-          seq: int) -> Reanchor:
+          seq: int, fault: str | None = None) -> Reanchor:
     """Lower the request's positions by `shift` (from `check`). Returns the worker's part."""
     rid = request.request_id
     # Features: drop those whose embeddings end at or before `shift` (`check` made sure
@@ -209,4 +214,4 @@ def apply(request: Any, managers: Sequence[Any], encoder_cache: Any, shift: int,
             m.num_cached_block[rid] = max(0, m.num_cached_block[rid] - k)
         live.append(tuple(b.block_id for b in blocks
                           if b is not null and not getattr(b, "is_null", False)))
-    return Reanchor(seq=seq, request_id=rid, shift=shift, block_ids=tuple(live))
+    return Reanchor(seq=seq, request_id=rid, shift=shift, block_ids=tuple(live), fault=fault)

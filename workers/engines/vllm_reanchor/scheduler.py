@@ -14,8 +14,18 @@ them (a step without tokens may not reach the worker); the worker applies each o
 once (by sequence number).
 
 A request that cannot move now stays as it is and is tried again at its next chunk;
-the reason goes to the worker (`babelcast_reanchor_failures`), which counts it.
-Exceptions never leave this class: a failing re-anchor must not kill the engine core.
+the reason goes to the worker (`babelcast_reanchor_failures`), which counts it as
+deferred. Exceptions never leave this class: a failing re-anchor must not kill the engine
+core.
+
+Fail closed: a request whose keys the worker could not rotate (the rotation raised, part
+of its layers moved and part not) must not decode on. The worker reports it through
+`ROTATION_FAILURES`; the next `update_from_output` drops that step's token for it and
+ends it with vLLM's `FINISHED_ERROR` (the way vLLM ends a request whose grammar failed to
+compile), so the client sees `finish_reason == "error"` and the session manager replaces
+the session. That needs the worker in this process: vLLM 0.26's single-GPU executor
+(`UniProcExecutor`) runs it inside the engine core; the worker's probe refuses
+re-anchoring where it does not share the scheduler's process.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -44,16 +55,50 @@ from workers.engines.vllm_reanchor.plan import (
 log = logging.getLogger(__name__)
 
 EXTRA_ARG = "babelcast_reanchor_every"
+FAULT_ARG = "babelcast_reanchor_fault"
+"""NEGATIVE CONTROLS ONLY: a request's re-anchors rotate wrongly on purpose (plan.Reanchor
+.fault says how); the GPU tier shows its exactness check fails on each."""
+PREEMPT_ARG = "babelcast_test_preempt"
+"""GPU TIER ONLY: preempt the request (vLLM's own `_preempt_request`: blocks and encoder
+outputs freed, recomputed from position 0) at its next chunk once it has re-anchored
+and its rotation has been applied, at most this many times."""
 REANCHORS_ATTR = "babelcast_reanchors"
 FAILURES_ATTR = "babelcast_reanchor_failures"
 
 
-def reanchor_every(request: Any) -> int | None:
+class RotationFailures:
+    """The worker's word to the scheduler that a request's keys could not be rotated.
+    Both run in the engine-core process; the worker may run a step in another thread of
+    it (async scheduling), hence the lock. `scheduler_pid` says which process made a
+    scheduler that reads it (the worker's probe compares it with its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: set[str] = set()
+        self.scheduler_pid: int | None = None
+        self.ended = 0  # requests ended for it, in this process
+
+    def report(self, request_id: str) -> None:
+        with self._lock:
+            self._ids.add(request_id)
+
+    def take(self) -> set[str]:
+        with self._lock:
+            ids, self._ids = self._ids, set()
+        return ids
+
+
+ROTATION_FAILURES = RotationFailures()
+
+
+def _extra(request: Any) -> dict[str, Any]:
     params = request.sampling_params
     extra = getattr(params, "extra_args", None) if params is not None else None
-    if not extra:
-        return None
-    every = extra.get(EXTRA_ARG)
+    return extra or {}
+
+
+def reanchor_every(request: Any) -> int | None:
+    every = _extra(request).get(EXTRA_ARG)
     return int(every) if every else None
 
 
@@ -69,6 +114,9 @@ class _ReanchorMixin:
     _bc_trace_next: float
     _bc_steps: int  # trace only: steps with tokens since the last trace line
     _bc_batched: int  # trace only: requests those steps scheduled
+    _bc_moved: dict[str, int]  # re-anchors so far, by request (GPU tier's preemption)
+    _bc_preempted: dict[str, int]  # test preemptions so far, by request
+    _bc_preempt_due: set[str]  # asked for a test preemption at this chunk
 
     def _bc_init(self) -> None:
         folder = os.environ.get(TRACE_ENV)
@@ -79,6 +127,17 @@ class _ReanchorMixin:
         self._bc_pending = []
         self._bc_failures = {}
         self._bc_seq = 0
+        self._bc_moved = {}
+        self._bc_preempted = {}
+        self._bc_preempt_due = set()
+        ROTATION_FAILURES.scheduler_pid = os.getpid()
+        if not isinstance(getattr(self, "grammar_compile_error_reqs", None), set):
+            # how a failed rotation ends its request (update_from_output); without it,
+            # re-anchoring could not fail closed, so it stays off
+            self._bc_geometry = None
+            log.warning("babelcast re-anchoring is off in this engine: this vLLM's "
+                        "scheduler has no grammar_compile_error_reqs to end a request with")
+            return
         try:
             geometry = geometry_of(self._bc_managers())
             why = geometry.why_not()
@@ -99,10 +158,63 @@ class _ReanchorMixin:
         every = reanchor_every(session)
         if every is not None and due(session.num_computed_tokens, geometry, every):
             self._bc_due.add(session.request_id)
+        elif every is not None and PREEMPT_ARG in _extra(session):
+            self._bc_preempt_due.add(session.request_id)
+
+    def _bc_test_preempt(self) -> None:
+        """GPU TIER ONLY (PREEMPT_ARG): preempt each re-anchored request that asked for it,
+        at a chunk boundary with no rotation of it still pending, through vLLM's own
+        preemption. Run where `_bc_reanchor_due` runs, at the start of `schedule()`, when
+        such a request waits in the waiting queue; `_preempt_request` expects a running
+        request, so it is marked running for that call only."""
+        requests: dict[str, Any] = self.requests  # type: ignore[attr-defined]
+        for rid in sorted(self._bc_preempt_due):
+            self._bc_preempt_due.discard(rid)
+            request = requests.get(rid)
+            if request is None or request.status != RequestStatus.WAITING:
+                continue
+            limit = int(_extra(request).get(PREEMPT_ARG) or 0)
+            if (not self._bc_moved.get(rid) or self._bc_preempted.get(rid, 0) >= limit
+                    or any(r.request_id == rid for r in self._bc_pending)):
+                continue
+            self.waiting.remove_requests([request])  # type: ignore[attr-defined]
+            self.skipped_waiting.remove_requests([request])  # type: ignore[attr-defined]
+            request.status = RequestStatus.RUNNING
+            self._preempt_request(request, time.monotonic())  # type: ignore[attr-defined]
+            self._bc_preempted[rid] = self._bc_preempted.get(rid, 0) + 1
+            log.info("babelcast: test preemption of %s (%d)", rid, self._bc_preempted[rid])
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        failed = ROTATION_FAILURES.take()
+        if failed:
+            self._bc_end_failed(failed, model_runner_output)
+        return super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output)
+
+    def _bc_end_failed(self, failed: set[str], model_runner_output: Any) -> None:
+        """Requests whose keys could not be rotated: this step's token (decoded with
+        half-moved keys) is dropped, and vLLM ends them with FINISHED_ERROR, telling the
+        client (it does so for a request whose grammar failed to compile)."""
+        requests: dict[str, Any] = self.requests  # type: ignore[attr-defined]
+        index = getattr(model_runner_output, "req_id_to_index", None) or {}
+        sampled = getattr(model_runner_output, "sampled_token_ids", None)
+        for rid in failed:
+            request = requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            i = index.get(rid)
+            if i is not None and isinstance(sampled, list) and i < len(sampled):
+                sampled[i] = []
+            self.grammar_compile_error_reqs.add(rid)  # type: ignore[attr-defined]
+            ROTATION_FAILURES.ended += 1
+            self._bc_due.discard(rid)
+            log.error("babelcast: ended %s: its cached keys could not be rotated", rid)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         if self._bc_due:
             self._bc_reanchor_due()
+        if self._bc_preempt_due:
+            self._bc_test_preempt()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if self._bc_trace is not None:
             if out.total_num_scheduled_tokens > 0:
@@ -167,9 +279,12 @@ class _ReanchorMixin:
                 managers = self._bc_managers()
                 shift = check(request, managers, geometry)
                 self._bc_seq += 1
+                fault = _extra(request).get(FAULT_ARG)
                 self._bc_pending.append(apply(
                     request, managers, self.encoder_cache_manager,  # type: ignore[attr-defined]
-                    shift, self._bc_seq))
+                    shift, self._bc_seq, str(fault) if fault else None))
+                if PREEMPT_ARG in _extra(request):
+                    self._bc_moved[rid] = self._bc_moved.get(rid, 0) + 1
             except CannotReanchor as exc:
                 self._bc_failures[rid] = str(exc)
             except Exception as exc:

@@ -8,14 +8,23 @@ Voxtral's pooled encoder). Runner-agnostic: the caches are found through the lay
 forward context, not through the model runner's own bookkeeping.
 
 Supported where every KV cache group is a sliding window, every layer uses FlashAttention
-with vLLM 0.26's cache layout ([blocks, heads, block_size, 2·head_dim], keys first) and a
-plain `RotaryEmbedding`. `babelcast_reanchor_probe()` (through `collective_rpc`) says
-whether that holds; the client only asks for re-anchoring when it does.
+with vLLM 0.26's cache layout ([blocks, heads, block_size, 2·head_dim], keys first), a
+plain `RotaryEmbedding` and a cache dtype whose keys `rope.key_storage` can rotate (bf16,
+or fp8 stored as bytes, rotated as fp8), and where this worker runs in the scheduler's
+process (so a failed rotation can end its request). `babelcast_reanchor_probe()` (through
+`collective_rpc`) says whether that holds; the client only asks for re-anchoring when it
+does, and otherwise rolls sessions over and says why.
+
+Fail closed: a rotation that raises leaves a request with some layers' keys moved and
+others not. Its re-anchor is never retried (that would move the moved ones twice): the
+request is reported to the scheduler, which ends it with an error before it decodes on
+(scheduler.py), and counted (`rotation_failed`); the session manager replaces the session.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,12 +34,17 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from workers.engines.vllm_reanchor import melspec, token_writes, window_trim
+from workers.engines.vllm_reanchor import melspec, scaled_weights, token_writes, window_trim
 from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
-from workers.engines.vllm_reanchor.rope import RopeStyle, unrotate_blocks_
-from workers.engines.vllm_reanchor.scheduler import FAILURES_ATTR, REANCHORS_ATTR
+from workers.engines.vllm_reanchor.rope import RopeStyle, key_storage, unrotate_blocks_
+from workers.engines.vllm_reanchor.scheduler import (
+    FAILURES_ATTR,
+    REANCHORS_ATTR,
+    ROTATION_FAILURES,
+)
 
 log = logging.getLogger(__name__)
+scaled_weights.register()  # the engine core loads the model after importing this module
 
 ROPE_CLASSES = ("RotaryEmbedding",)  # plain RoPE; scaled variants change the angles
 
@@ -41,6 +55,7 @@ class _Layer:
     group: int
     keys: torch.Tensor  # [blocks, block_size, heads, head_dim] view of the key half
     style: RopeStyle
+    stored_as: torch.dtype | None = None  # the fp8 type a byte cache's keys hold
 
 
 def _lever(switch: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -94,6 +109,10 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                         layers.append(layer)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
+        if why is None and ROTATION_FAILURES.scheduler_pid != os.getpid():
+            why = ("the worker does not run in the scheduler's process (a failed rotation "
+                   "could not end its request): re-anchoring needs vLLM's single-process "
+                   "executor")
         self._bc_why_not = why
         self._bc_layers_cache = [] if why else layers
         return self._bc_layers_cache
@@ -114,18 +133,24 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         rope = ropes.get(id(attn))
         if rope is None or type(rope).__name__ not in ROPE_CLASSES:
             return None, f"{name}: rope {type(rope).__name__} is not plain RoPE"
+        stored_as, why = key_storage(kv.dtype, str(getattr(attn, "kv_cache_dtype", "auto")))
+        if why:
+            return None, f"{name}: {why}"
         style = RopeStyle(rotary_dim=int(rope.rotary_dim), base=float(rope.base),
                           neox=bool(rope.is_neox_style),
                           position_scale=int(getattr(attn, "block_pool_size", 1)))
         keys = kv.transpose(1, 2)[..., :head]  # the flash-attn kernel's own key split
-        return _Layer(name, group, keys, style), None
+        return _Layer(name, group, keys, style, stored_as), None
 
     # ---- client calls (collective_rpc) ---------------------------------------
     def babelcast_reanchor_probe(self) -> dict[str, Any]:
         layers = self._bc_layers()
         ok = bool(layers) and self._bc_why_not is None
         out: dict[str, Any] = {"supported": ok, "why_not": self._bc_why_not,
-                               "layers": len(layers)}
+                               "layers": len(layers), "pid": os.getpid(),
+                               "kv_cache_dtype": str(self.vllm_config.cache_config.cache_dtype),
+                               "key_storage": sorted({str(ly.stored_as or ly.keys.dtype)
+                                                      for ly in layers})}
         try:
             g = self._bc_geometry()
             out.update(block_sizes=list(g.block_sizes), windows=list(g.windows),
@@ -169,11 +194,25 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         return torch.bfloat16
 
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
+        """`deferred`: re-anchors the scheduler put off (a step in flight, a feature in the
+        way…), tried again at the request's next chunk; `rotation_failed`: rotations that
+        raised, each request ended (fail closed); `live_blocks`: the KV blocks each
+        request's last re-anchor re-rotated, per cache group (constant once it is older
+        than every window)."""
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
-                "failures": dict(self._bc_failures()),
+                "deferred": dict(self._bc_failures()),
+                "rotation_failed": self._bc_counts()["rotation_failed"],
+                "requests_ended": ROTATION_FAILURES.ended,
                 "shift_by_request": dict(self._bc_shifts()),
+                "live_blocks": {rid: list(v) for rid, v in self._bc_live().items()},
                 "token_writes": token_writes.counts(self.model_runner)}
+
+    def babelcast_fail_next_rotation(self, times: int = 1) -> dict[str, Any]:
+        """FAULT INJECTION, GPU tier only: the next `times` rotations raise, as a rotation
+        that runs out of GPU memory would (the fail-closed path end to end)."""
+        self._bc_fail_next = int(times)
+        return {"armed": self._bc_fail_next}
 
     # ---- per step --------------------------------------------------------------
     def _bc_counts(self) -> Counter[str]:
@@ -192,10 +231,38 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
             self._bc_done: set[int] = set()
         return self._bc_shift_map
 
+    def _bc_live(self) -> dict[str, tuple[int, ...]]:
+        if not hasattr(self, "_bc_live_map"):
+            self._bc_live_map: dict[str, tuple[int, ...]] = {}
+        return self._bc_live_map
+
+    _bc_fail_next = 0
+
+    def _bc_rotate(self, layers: list[_Layer], r: Reanchor) -> None:
+        """Every layer's live keys of one request by R(−shift) (or, for a negative
+        control, wrongly as `r.fault` says)."""
+        if self._bc_fail_next > 0:
+            self._bc_fail_next -= 1
+            raise RuntimeError("injected rotation failure (babelcast_fail_next_rotation)")
+        for layer in layers:
+            blocks = list(r.block_ids[layer.group])
+            style, shift = layer.style, r.shift
+            if r.fault == "garbage":
+                _garbage_(layer, blocks)
+                continue
+            if r.fault == "sign":
+                shift = -shift
+            elif r.fault == "block":
+                shift -= self._bc_geometry().unit  # one KV block unit short
+            elif r.fault == "encoder_x1" and style.position_scale != 1:
+                style = RopeStyle(style.rotary_dim, style.base, style.neox, 1)
+            unrotate_blocks_(layer.keys, blocks, style, shift, stored_as=layer.stored_as)
+
     def _bc_apply(self, scheduler_output: Any) -> None:
         shifts = self._bc_shifts()
         for rid in scheduler_output.finished_req_ids:
             shifts.pop(rid, None)
+            self._bc_live().pop(rid, None)
         for reason in (getattr(scheduler_output, FAILURES_ATTR, None) or {}).values():
             self._bc_failures()[reason.split(":")[0][:80]] += 1
         todo: tuple[Reanchor, ...] = getattr(scheduler_output, REANCHORS_ATTR, ())
@@ -207,11 +274,19 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
             for r in todo:
                 if r.seq in self._bc_done:
                     continue  # carried again by a later step; applied once
-                self._bc_done.add(r.seq)
-                for layer in layers:
-                    unrotate_blocks_(layer.keys, list(r.block_ids[layer.group]), layer.style,
-                                     r.shift)
+                self._bc_done.add(r.seq)  # never retried: part of it may have been applied
+                try:
+                    if not layers:
+                        raise RuntimeError(f"no layers to rotate ({self._bc_why_not})")
+                    self._bc_rotate(layers, r)
+                except Exception:
+                    log.exception("babelcast: rotating the keys of %s failed; the request "
+                                  "is ended", r.request_id)
+                    self._bc_counts()["rotation_failed"] += 1
+                    ROTATION_FAILURES.report(r.request_id)
+                    continue
                 shifts[r.request_id] = shifts.get(r.request_id, 0) + r.shift
+                self._bc_live()[r.request_id] = tuple(len(b) for b in r.block_ids)
                 self._bc_counts()["reanchors"] += 1
         if len(self._bc_done) > 4096:  # sequence numbers only grow
             newest = max(self._bc_done)
@@ -221,7 +296,27 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
     def execute_model(self, scheduler_output: Any) -> Any:
         try:
             self._bc_apply(scheduler_output)
-        except Exception:  # never kill the engine core; the session's text degrades
-            log.exception("babelcast: applying a re-anchor failed")
-            self._bc_failures()["worker_exception"] += 1
+        except Exception:  # never kill the engine core over bookkeeping
+            log.exception("babelcast: applying the step's re-anchors failed")
+            self._bc_counts()["rotation_failed"] += 1
+            for r in getattr(scheduler_output, REANCHORS_ATTR, ()):
+                ROTATION_FAILURES.report(r.request_id)  # fail closed: end them all
         return super().execute_model(scheduler_output)
+
+
+def _garbage_(layer: _Layer, blocks: list[int]) -> None:
+    """NEGATIVE CONTROL: the listed blocks' keys replaced by noise of the keys' own scale
+    (what any key corruption that keeps keys finite looks like to attention)."""
+    if not blocks:
+        return
+    idx = torch.tensor(blocks, dtype=torch.long, device=layer.keys.device)
+    store = layer.keys.view(torch.uint8) if layer.stored_as is not None else layer.keys
+    held = store.index_select(0, idx)
+    as_float = (held.view(layer.stored_as) if layer.stored_as is not None else held).float()
+    noise = torch.randn_like(as_float) * as_float.std().clamp(min=1e-3)
+    if layer.stored_as is not None:
+        limit = torch.finfo(layer.stored_as).max
+        new = noise.clamp(-limit, limit).to(layer.stored_as).view(torch.uint8)
+    else:
+        new = noise.to(held.dtype)
+    store.index_copy_(0, idx, new)
