@@ -166,6 +166,10 @@ class _AsyncLLMBackend:
             from vllm.config import ProfilerConfig
 
             kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
+        from workers.engines.vllm_reanchor import scaled_weights
+
+        if options.load_format == scaled_weights.LOAD_FORMAT:  # GPU tier, benchmarks
+            scaled_weights.register()  # a forked engine core inherits it
         args = AsyncEngineArgs(**kwargs)
         with gpu_start_lock():
             self.llm = AsyncLLM.from_engine_args(args)
