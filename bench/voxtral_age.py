@@ -39,11 +39,31 @@ from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  #
 FRAME = 1280
 BLANK = 32
 SETTLE_FRAMES = 2
+FIRST_POSITIONS = 39
+"""The first prompt's positions: BOS, 32 left-pad and 6 delay tokens (Voxtral's tekken.json)."""
+ALIGN = 128
+"""Bulk steps start at a multiple of this and are a multiple of it: the KV block unit a
+re-anchor shifts by (lcm of the groups' block sizes: 128 for Voxtral, whose decoder blocks
+are 128 positions). A re-anchor never cuts a feature's embeddings (plan.py); bulk features
+off the unit straddle every allowed shift, and a session so aged never re-anchored."""
 
 
-def ageing_frames(steps: int, bulk: int) -> int:
+def lead_frames(align: int = ALIGN) -> int:
+    """One-frame steps after the first prompt that bring the next step's start to a
+    multiple of `align`."""
+    return (-FIRST_POSITIONS) % align
+
+
+def ageing_outputs(steps: int, align: int = ALIGN) -> int:
+    """Outputs an ageing session has given once aged: the first prompt's, the lead's
+    one-frame steps and the bulk steps."""
+    return 1 + (lead_frames(align) + steps if steps else 0)
+
+
+def ageing_frames(steps: int, bulk: int, align: int = ALIGN) -> int:
     """Audio frames an ageing session is given before its live audio: its first prompt
-    with the look-ahead (8), its bulk steps, and `SETTLE_FRAMES` one-frame steps.
+    with the look-ahead (8), the lead's one-frame steps, its bulk steps, and
+    `SETTLE_FRAMES` one-frame steps.
 
     The one-frame steps let vLLM drop what the last bulk step holds outside the sliding
     windows: it frees those blocks only when it schedules the request again, and live
@@ -51,7 +71,7 @@ def ageing_frames(steps: int, bulk: int) -> int:
     holding its last bulk step's encoder blocks (59 fp8 blocks where a session fed in real
     time holds 13), and 80 sessions on two engines filled one engine's cache while ageing
     (H200, 2026-12-01), a bound no production session meets."""
-    return 8 + steps * bulk + SETTLE_FRAMES
+    return 8 + (lead_frames(align) if steps else 0) + steps * bulk + SETTLE_FRAMES
 
 
 class BulkPlace:
@@ -64,20 +84,22 @@ class BulkPlace:
     size never got a place (H200, 2026-12-01: ageing stalled at 8 sessions x 33 steps,
     264 steps, on every front end)."""
 
-    def __init__(self, gate: asyncio.Semaphore | None, bulk_steps: int) -> None:
+    def __init__(self, gate: asyncio.Semaphore | None, bulk_steps: int, lead: int = 0) -> None:
         self.gate = gate if bulk_steps else None
         self.bulk_steps = bulk_steps
+        self.lead = lead
         self.holding = False
 
     async def before_step(self, step: int) -> None:
-        """Step `step` (0: the first prompt, 1…bulk_steps: the bulk ones) is about to go."""
-        if self.gate is not None and step == 1:
+        """Step `step` (0: the first prompt, then `lead` one-frame steps, then the bulk
+        ones) is about to go."""
+        if self.gate is not None and step == self.lead + 1:
             await self.gate.acquire()
             self.holding = True
 
     def on_output(self, n: int) -> None:
         """The session's `n`-th output (1: the first prompt's) has come."""
-        if n == self.bulk_steps + 1:
+        if n == self.lead + self.bulk_steps + 1:
             self.release()
 
     def release(self) -> None:
@@ -88,10 +110,11 @@ class BulkPlace:
 
 async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
-                       direct: bool = False, gate: asyncio.Semaphore | None = None
-                       ) -> AsyncIterator[Any]:
-    """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that its first
-    `bulk_steps` steps after the first prompt take `bulk` frames at once. With `direct`,
+                       direct: bool = False, gate: asyncio.Semaphore | None = None,
+                       align: int = ALIGN) -> AsyncIterator[Any]:
+    """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that after the first
+    prompt and `lead_frames(align)` one-frame steps, `bulk_steps` steps take `bulk` frames
+    at once (`bulk` a multiple of `align`, so each bulk step starts on it). With `direct`,
     the one-frame steps after them are built as the project's engine builds them
     (`workers/engines/vllm_direct.py`); the bulk steps always go through the renderer.
 
@@ -104,6 +127,9 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     from vllm.renderers.inputs.preprocess import parse_model_prompt
     from vllm.tokenizers import cached_tokenizer_from_config
 
+    if bulk_steps and bulk % align:
+        raise ValueError(f"bulk {bulk} is not a multiple of the alignment {align}")
+    lead = lead_frames(align) if bulk_steps else 0
     llm = backend.llm
     model_config = llm.model_config
     tokenizer = cached_tokenizer_from_config(model_config)
@@ -122,7 +148,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                 yield frame_end - frame_start, (end - start) // step
                 k += 1
                 start = end
-                end += step * (bulk if 1 <= k <= bulk_steps else 1)
+                end += step * (bulk if lead < k <= lead + bulk_steps else 1)
 
     buffer = Aged(config, prompt_tokens)
     build: Any = None
@@ -139,7 +165,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             await buffer.append_audio(chunk)
         await buffer.append_audio(None)
 
-    place = BulkPlace(gate, bulk_steps)
+    place = BulkPlace(gate, bulk_steps, lead)
 
     async def feed_tokens() -> None:
         n = 0
@@ -147,8 +173,9 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             await tokens.get()
             n += 1
             place.on_output(n)
-            # After a bulk step the next step needs `bulk` tokens: blanks, as silence gives.
-            await buffer.append_tokens([BLANK] * (bulk if n <= bulk_steps else 1))
+            # Before a bulk step the buffer needs `bulk` tokens: blanks, as silence gives.
+            await buffer.append_tokens([BLANK] * (bulk if lead < n <= lead + bulk_steps
+                                                  else 1))
 
     tasks = [asyncio.create_task(feed_audio()), asyncio.create_task(feed_tokens())]
     step = 0
@@ -179,7 +206,7 @@ class Session:
         self.audio, self.offset = audio, offset
         self.fed = 0
         steps = age_frames // bulk if age_frames else 0
-        self.aged_outputs = 1 + steps  # the first prompt, then the bulk steps
+        self.aged_outputs = ageing_outputs(steps)  # first prompt, lead, bulk steps
         self.direct = direct
         self.gate = gate
         self.task = asyncio.create_task(self._run(backend, every, bulk, steps))
@@ -308,7 +335,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--age-min", type=float, nargs="+", default=[0.0, 30.0])
     ap.add_argument("--every", type=int, default=4096, help="positions between re-anchors")
-    ap.add_argument("--bulk", type=int, default=750, help="frames per ageing prompt")
+    ap.add_argument("--bulk", type=int, default=768,
+                    help=f"frames per ageing prompt (a multiple of {ALIGN})")
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -45,7 +45,7 @@ Like production:
   session manager per stream with Silero voice activity in helper processes
   (`VadService`, one per 40 streams); their CPU is reported as `helpers_us_per_chunk`.
 - `--age-min M --aged-ladder N…`: after the knee, the project's configurations run at
-  those levels with sessions first aged M minutes (fed in bulk prompts of 750 frames with
+  those levels with sessions first aged M minutes (fed in bulk prompts of 768 frames with
   blanks fed back, re-anchoring as configured: bench.voxtral_age; at most
   `--age-concurrency` sessions per front end in their bulk steps at once, since each holds
   the KV cache of its whole step), climbing until the first miss (`aged_knee`). With
@@ -133,10 +133,10 @@ WARM_S = 3.0
 GPU_PROFILE_S = 2.0
 """Seconds of vLLM's torch profiler per profiled phase (`--gpu-profile`): ~25-40 engine
 steps per engine, and a trace the engine core writes in seconds when it stops."""
-AGE_BULK = 750  # frames per ageing prompt (bench.voxtral_age)
+AGE_BULK = 768  # frames per ageing prompt, a multiple of bench.voxtral_age.ALIGN
 AGE_CONCURRENCY = 8
 """Sessions of one front end in their bulk ageing steps at once (`--age-concurrency`):
-each holds ~60 blocks of KV cache while a 750-frame step is in flight, ~78 once aged."""
+each holds ~60 blocks of KV cache while a 768-frame step is in flight, ~78 once aged."""
 SWITCH_SLACK_S = 1.0
 """Feed time per in-phase A/B window beyond the window itself: the levers switch (an
 engine-core call between steps) before the window's clock starts, so the feed must last
@@ -702,7 +702,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             if not age_gate:
                 age_gate.append(asyncio.Semaphore(age_concurrency))
             steps = age_frames // AGE_BULK
-            from bench.voxtral_age import aged_prompts, ageing_frames
+            from bench.voxtral_age import aged_prompts, ageing_frames, ageing_outputs
 
             sessions_aged = itertools.count()
 
@@ -724,7 +724,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
             async def before(n: int = n, steps: int = steps,
                              wrapper: AgeingBackend = ageing_wrapper) -> None:
-                await until_first_sessions_aged(opened, n, 1 + steps)
+                await until_first_sessions_aged(opened, n, ageing_outputs(steps))
                 wrapper.open = False
         elif feed == "aged":
             aged_sessions.clear()
@@ -1346,7 +1346,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 exc.add_note(json.dumps({"kv": kv_summary(args.kv_trace, t_wall,
                                                           time.time())}))
             raise
-        if args.kv_trace:  # ageing feeds 750-frame prompts: its peak is not the steady one
+        if args.kv_trace:  # ageing feeds 768-frame prompts: its peak is not the steady one
             t_aged = t_wall + (row.get("aged_in_s") or 0.0)
             row["kv"] = kv_summary(args.kv_trace, t_aged, time.time())
             if row.get("aged_in_s"):
@@ -1369,7 +1369,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             model=args.model, max_streams=streams, max_model_len=args.max_model_len,
             load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
             gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
-            torch_profiler_dir=torch_dir)
+            torch_profiler_dir=torch_dir, kv_bound_slots=False)
 
 
     wanted = ([0] if need_main else []) + list(range(1, multi + 1))
@@ -1608,7 +1608,7 @@ def main() -> int:
 
         aged = argparse.Namespace(
             model=args.model, streams=args.streams, seconds=args.seconds,
-            age_min=args.age_min, every=4096, bulk=750,
+            age_min=args.age_min, every=4096, bulk=AGE_BULK,
             max_model_len=max(args.max_model_len, 32768), load_format=args.load_format,
             gpu_memory_utilization=args.gpu_memory_utilization)
         result = asyncio.run(voxtral_age.main_async(aged))

@@ -768,3 +768,13 @@ def test_the_asr_actor_exports_failed_rotations_as_a_counter_from_zero() -> None
     name = ray_metrics.ACTOR_COUNTERS[key[1]]
     assert name == "babelcast_engine_reanchor_rotation_failures_total"
     assert spec(name).kind == "counter" and spec(name).labels == ("actor",)
+
+
+def test_a_benchmark_may_measure_past_the_kv_bound_and_is_only_warned() -> None:
+    """kv_bound_slots False (bench.voxtral_capacity, which runs levels past the product's
+    bound on purpose): the slots stay as asked; the bound itself still refuses (above)."""
+    from workers.engines.vllm_checks import session_slots
+
+    assert session_slots(45, 36, 20, bound=False) == 45
+    with pytest.raises(EngineError, match="streams_per_actor"):
+        session_slots(45, 36, 20)

@@ -114,11 +114,15 @@ def kv_shortfall(slots: int, streams: int, held: int | None) -> str | None:
             f"engine.streams_per_actor, or {MORE_CACHE}")
 
 
-def session_slots(slots: int, streams: int, held: int | None) -> int:
+def session_slots(slots: int, streams: int, held: int | None, bound: bool = True) -> int:
     """The sessions the engine may open at once: its `slots`, capped at the aged sessions
-    its KV cache holds (`held`); refused when that is fewer than its streams."""
+    its KV cache holds (`held`); refused when that is fewer than its streams. With
+    `bound` False (benchmarks that measure past the product's bound) it only warns."""
     said = kv_shortfall(slots, streams, held)
     if said is None or held is None:
+        return slots
+    if not bound:
+        log.warning("vllm engine (slots not bound by the KV cache, a benchmark): %s", said)
         return slots
     if held < streams:
         raise EngineError(f"vllm engine: {said}", retryable=False)
@@ -221,7 +225,7 @@ async def check_start(backend: CheckedBackend, o: VllmEngineOptions, g: StreamGe
     log.info("vllm %s engine: %s (%s), KV cache for %s aged sessions", backend.version,
              "reanchor" if reanchoring else "rollover", mode_why or "ok",
              held if held is not None else "unknown")
-    slots = session_slots(o.max_streams + headroom(o), o.max_streams, held)
+    slots = session_slots(o.max_streams + headroom(o), o.max_streams, held, o.kv_bound_slots)
     served, mps_why = await check_mps(o, engine_core_pids(probe), daemon)
     direct, direct_why = await check_direct(backend, o)
     return StartReport(probe=probe, reanchoring=reanchoring, mode_why=mode_why,

@@ -103,6 +103,10 @@ class VllmEngineOptions:
     engines_per_gpu: int = 1
     """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
     one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""
+    kv_bound_slots: bool = True
+    """The engine refuses to start when its KV cache holds fewer aged sessions than its
+    streams, and caps its session slots there (vllm_checks.py). False for benchmarks only,
+    which measure levels past that bound on purpose: they are then warned, not refused."""
     logprobs_mode: str | None = None
     """GPU tier and benchmarks only: vLLM's `logprobs_mode` ("raw_logits": a request's
     logprobs are its raw logits), for exactness checks on logits. None: vLLM's default."""
