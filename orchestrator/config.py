@@ -207,8 +207,10 @@ class VllmConfig(_Strict):
         description="build each 80 ms chunk's engine input directly instead of through "
                     "vLLM's renderer and HF processor: auto where the two were checked equal "
                     "byte for byte (vLLM 0.26.0 exactly); 12x less front-end CPU per chunk")
-    load_format: Literal["mistral", "dummy"] = Field(
-        default="mistral", description="mistral: real weights; dummy: random (benchmarks)")
+    load_format: Literal["mistral", "dummy", "babelcast_scaled"] = Field(
+        default="mistral", description="mistral: real weights; dummy: random, every weight "
+                    "in ±1e-3 (benchmarks); babelcast_scaled: random at a trained "
+                    "checkpoint's scale, so attention depends on its keys (GPU tier)")
     enforce_eager: bool = Field(default=False, description="no CUDA graphs")
     cudagraph_mode: Literal["PIECEWISE", "NONE"] = Field(
         default="PIECEWISE", description="Voxtral refuses FULL graphs")

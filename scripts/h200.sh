@@ -5,6 +5,8 @@
 # .stage/extra/run_gpu.sh, bring .stage/part01..05 over with `reassemble.sh stash`, then:
 #   bash .stage/part06/reassemble.sh stash; bash .stage/extra/run_gpu.sh install
 #   bash .stage/extra/run_gpu.sh engine|actor       # the GPU tier (tests/gpu)
+#   bash .stage/extra/run_gpu.sh exact              # re-anchoring exact on logits, bf16 + fp8,
+#                                                   # negative controls, 8 hours (reanchor_exact.json)
 #   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
@@ -26,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PATH=/tmp/bin:$PATH BABELCAST_VOXTRAL_DIR=/tmp/voxtral
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
 if [ "${MPS:-0}" = 1 ] && [ "$1" != install ]; then
   # CUDA MPS: the engines' kernels may run side by side instead of the GPU switching
   # between their contexts. A user-space daemon (no GPU setting changes); quit at the end.
@@ -60,6 +62,12 @@ engine)
   timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \
     tests/gpu/test_reanchor_scheduler.py tests/gpu/test_vllm_engine.py > "$OUT/engine.log" 2>&1; echo rc=$?
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/engine.log" | tail -30; echo ----; tail -c 6000 "$OUT/engine.log"
+  ;;
+exact)
+  timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \
+    tests/gpu/test_reanchor_exact.py > "$OUT/exact.log" 2>&1; echo rc=$?
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/exact.log" | tail -20; echo ----
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps(d.get('analysis', d))[:5000])" "$OUT/reanchor_exact.json" 2>/dev/null; tail -c 3000 "$OUT/exact.log"
   ;;
 actor)
   timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \

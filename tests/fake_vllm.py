@@ -49,9 +49,11 @@ class FakeVllmBackend:
     text_every: int = 5
     fail_after: int | None = None
     error_after: int | None = None
-    """The next request ends after this many outputs the way vLLM ends one its engine core
-    finished in error (a last output with finish_reason "error", then the generator ends);
-    once: later requests run normally."""
+    """The next request gets, after this many outputs, what vLLM 0.26 gives a streaming
+    request its engine core finished in error: an output with finish_reason "error" —
+    and then nothing, its generator open (the output processor keeps a streaming-input
+    request open until its input ends or it is aborted); once: later requests run
+    normally."""
     shutdown_block_s: float = 0.0
     errored: bool = False
     aborted: list[str] = field(default_factory=list)
@@ -148,7 +150,7 @@ class FakeVllmBackend:
             if self.error_after is not None and k >= self.error_after:
                 self.error_after = None
                 yield Output([Completion([], "", "error")])
-                return
+                await asyncio.Event().wait()  # open, as vLLM's: until closed or cancelled
             text = f" w{k}" if (k + 1) % self.text_every == 0 else ""
             yield Output([Completion([32], text)])
             k += 1

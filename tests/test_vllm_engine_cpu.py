@@ -376,10 +376,12 @@ def test_a_failing_request_is_an_engine_error() -> None:
 
 def test_a_request_the_engine_ended_in_error_fails_the_session_for_a_new_one() -> None:
     """The re-anchoring scheduler ends a request whose keys it could not rotate with
-    FINISHED_ERROR: its last output says finish_reason "error" and its generator ends.
-    That is not an end of audio: the session fails with a retryable error, counted, and
-    the request is not aborted again. Negative control: a request that ends normally (our
-    END) fails nothing. The error is the FAKE backend's, shaped as vLLM's output."""
+    FINISHED_ERROR: its last output says finish_reason "error", and vLLM's front end keeps
+    a streaming request's generator open after it. That is not an end of audio: the
+    session fails with a retryable error, counted, and aborts the request (so that no
+    late chunk of it lingers in the engine). Negative control: a request that ends
+    normally (our END) fails nothing. The error is the FAKE backend's, shaped as vLLM's
+    output."""
     async def go(error_after: int | None) -> tuple[BaseException | None, VllmVoxtralEngine,
                                                   FakeVllmBackend, list[str]]:
         backend = FakeVllmBackend(error_after=error_after, right_pad=0, text_every=1)
@@ -401,7 +403,7 @@ def test_a_request_the_engine_ended_in_error_fails_the_session_for_a_new_one() -
     assert "ended the request because a re-anchor failed" in str(failed)
     assert words == [" w0", " w1", " w2", " w3", " w4"]  # nothing from the errored output
     assert engine.stats()["request_errors"] == 1
-    assert backend.aborted == [] and engine.aborts == 0 and engine.sessions_open == 0
+    assert len(backend.aborted) == 1 and engine.aborts == 1 and engine.sessions_open == 0
     ended, engine, backend, _ = run(go(None))  # type: ignore[misc]
     assert ended is None and engine.stats()["request_errors"] == 0
 

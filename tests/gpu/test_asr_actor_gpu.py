@@ -52,7 +52,7 @@ engine:
   model: {model}
   actors: 1
   streams_per_actor: 2
-  vllm: {{max_model_len: 2048, gpu_memory_utilization: 0.45, load_format: dummy,
+  vllm: {{max_model_len: 2048, gpu_memory_utilization: 0.45, load_format: babelcast_scaled,
           reanchor: "on", reanchor_every: 256}}
   session: {{rut_chars_per_speech_s: 0}}
 streams:

@@ -297,3 +297,6 @@ def test_a_failed_rotation_ends_its_request_with_an_error_and_no_token() -> None
                 break
     assert sched.requests.get("moved") is None or sched.requests["moved"].is_finished()
     assert feed.fed["still"] >= 700 and feed.fed["moved"] == 600
+    # a chunk the client sent before it saw the error does not start a new request
+    sched.add_request(feed.chunk("moved", 1, CHUNK))
+    assert "moved" not in sched.requests

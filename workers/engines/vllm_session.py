@@ -133,10 +133,11 @@ class VllmVoxtralSession(RecognizeSession):
                     continue
                 o = out.outputs[0]
                 if getattr(o, "finish_reason", None) == ENGINE_ENDED_IN_ERROR:
-                    # Its last output (finished): vLLM's generator ends after it, and its
-                    # cleanup runs then rather than at garbage collection.
+                    # A streaming request's front end never counts it finished (vLLM
+                    # 0.26 output_processor: streaming input keeps it open), so its
+                    # generator would wait on: leave now, and abort it below.
                     in_error = True
-                    continue
+                    break
                 k = self.outputs
                 self.outputs += 1
                 self._heard(self._frames.stream_pos(self.outputs * FRAME))
@@ -144,10 +145,6 @@ class VllmVoxtralSession(RecognizeSession):
                 tokens.put_nowait(list(o.token_ids))  # fed back: the next step's context
                 if o.text:
                     self._out.put_nowait(TranscriptDelta(committed=(self._word(o.text, k),)))
-            # Either our END flushed it, or the engine ended the session on its own
-            # (max_model_len on vLLM >= 0.33, or in error); the session manager takes it
-            # from here. The engine core has let go of the request: nothing to abort.
-            finished = True
             if in_error:
                 engine.request_errors += 1
                 log.warning("stream %s: the vllm engine ended its request with an error (a "
@@ -157,6 +154,9 @@ class VllmVoxtralSession(RecognizeSession):
                     f"stream {self.options.stream_id}: the vllm engine ended the request "
                     f"because a re-anchor failed (its cached keys could not be rotated, so "
                     f"they are not trusted); a new session takes over")
+            # Either our END flushed it, or the engine ended the session on its own
+            # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
+            finished = True
             if not ended:
                 log.info("stream %s: engine ended the session", self.options.stream_id)
         except Exception as exc:

@@ -117,6 +117,7 @@ class _ReanchorMixin:
     _bc_moved: dict[str, int]  # re-anchors so far, by request (GPU tier's preemption)
     _bc_preempted: dict[str, int]  # test preemptions so far, by request
     _bc_preempt_due: set[str]  # asked for a test preemption at this chunk
+    _bc_ended: dict[str, None]  # ended by a failed rotation, oldest first
 
     def _bc_init(self) -> None:
         folder = os.environ.get(TRACE_ENV)
@@ -130,6 +131,7 @@ class _ReanchorMixin:
         self._bc_moved = {}
         self._bc_preempted = {}
         self._bc_preempt_due = set()
+        self._bc_ended = {}
         ROTATION_FAILURES.scheduler_pid = os.getpid()
         if not isinstance(getattr(self, "grammar_compile_error_reqs", None), set):
             # how a failed rotation ends its request (update_from_output); without it,
@@ -184,6 +186,14 @@ class _ReanchorMixin:
             self._bc_preempted[rid] = self._bc_preempted.get(rid, 0) + 1
             log.info("babelcast: test preemption of %s (%d)", rid, self._bc_preempted[rid])
 
+    def add_request(self, request: Any) -> None:
+        """A chunk that arrives for a request ended by a failed rotation (the client has
+        not aborted it yet) would start a new request under its id, mid-stream: dropped."""
+        rid = request.request_id
+        if rid in self._bc_ended and rid not in self.requests:  # type: ignore[attr-defined]
+            return
+        super().add_request(request)  # type: ignore[misc]
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         failed = ROTATION_FAILURES.take()
         if failed:
@@ -206,6 +216,9 @@ class _ReanchorMixin:
             if i is not None and isinstance(sampled, list) and i < len(sampled):
                 sampled[i] = []
             self.grammar_compile_error_reqs.add(rid)  # type: ignore[attr-defined]
+            self._bc_ended[rid] = None
+            while len(self._bc_ended) > 1024:  # the oldest have long been aborted
+                del self._bc_ended[next(iter(self._bc_ended))]
             ROTATION_FAILURES.ended += 1
             self._bc_due.discard(rid)
             log.error("babelcast: ended %s: its cached keys could not be rotated", rid)
