@@ -11,23 +11,32 @@ max_model_len; this engine's is larger so that the still reference fits): max |�
 over the reference's top-5 tokens and top-1 agreement, by how many times the oldest key
 in the decoder's window has been rotated.
 
-The tolerance comes from the dtype, measured in the same run, not tuned:
+The tolerance comes from the dtypes, measured in the same run:
 - δ_fp8 = max |Δlogit| between the still request on the fp8 engine and on the bf16 engine
   (same weights, audio, tokens): what one fp8 rounding of every cached key and value (and
   of the query) costs the logits.
 - A re-anchor re-rounds each live key once in the cache's dtype, so after r rotations the
-  moved request may differ from the still one by at most r roundings: r·δ_fp8 with an fp8
-  cache, r·δ_fp8·2⁻⁴ with a bf16 one (bf16's unit roundoff is 2⁻⁸, e4m3's 2⁻⁴). Before the
-  first re-anchor the two compute the same thing and must be equal.
-Negative controls (through the plugin's fault hooks, bf16): the rotation's sign flipped,
-the shift one KV block unit short, the encoder's keys rotated at ×1 instead of ×4, every
-live key replaced by noise; each must move the logits ≥ 10 × the largest bf16 tolerance.
-Also: a re-anchored request preempted and recomputed from position 0 three times (vLLM's
-own preemption, through the plugin's test hook) keeps the engine alive; a rotation that
-raises ends its request with an error, not garbage; and one session bulk-fed 8 hours of
-audio re-anchors throughout with constant memory, and its logits at the end match a
-never-moved reference fed the last 13,312 frames (more than every layer's reach: the
-decoder's 26 × 255 positions and the encoder's 32 × 749 frames).
+  moved request may differ from the still one by at most r such roundings: ε = δ_fp8 per
+  rotation with an fp8 cache; with a bf16 one δ_fp8·2⁻⁴ (bf16's unit roundoff is 2⁻⁸,
+  e4m3's 2⁻⁴) — but never less than one unit in the last place of the logits themselves,
+  which vLLM computes in the model's dtype (bf16: 2⁻⁵ for logits in [4, 8)), so a change
+  below the logits' resolution can still tip one rounding of each. Before the first
+  re-anchor the two compute the same thing and must be equal. (The H200's first run held
+  bf16 to r·δ_fp8·2⁻⁴ alone, 0.012 a rotation, below the logits' own step of 0.031: the
+  moved request was within 1 step on 99.9 % of steps and 2 at most, and failed it; the
+  logits' rounding is the dtype's too, so it is in the tolerance now.)
+Negative controls (through the plugin's fault hooks): the rotation's sign flipped, the
+shift one KV block unit short, the encoder's keys rotated at ×1 instead of ×4, every live
+key replaced by noise (bf16; noise also on fp8). Each must be beyond the positive test's
+tolerance at its largest rotation count, and beyond the correct rotation's worst step on
+the same engine, on its median step after the first re-anchor: a wrong rotation cannot
+hide in the right one's rounding.
+Also: a re-anchored request that vLLM preempts (its own preemption, through the plugin's
+test hook) is ended with an error rather than recomputed without its dropped context, and
+the engine lives; a rotation that raises ends its request with an error, not garbage; and
+one session bulk-fed 8 hours of audio re-anchors throughout with constant memory, and its
+logits at the end match a never-moved reference fed the last 13,312 frames (more than
+every layer's reach: the decoder's 26 × 255 positions and the encoder's 32 × 749 frames).
 
 Writes `reanchor_exact.json` to $OUT (bench/results/ keeps the H200 run's).
 """
@@ -35,6 +44,7 @@ Writes `reanchor_exact.json` to $OUT (bench/results/ keeps the H200 run's).
 from __future__ import annotations
 
 import asyncio
+import gzip
 import importlib.util
 import json
 import math
@@ -75,6 +85,13 @@ FIRST = 39  # the first prompt's positions
 TOP = 5  # tokens of the reference compared per step
 LOGPROBS = 20  # raw logits returned per step (vLLM's default max_logprobs)
 U_BF16, U_E4M3 = 2.0 ** -8, 2.0 ** -4
+
+
+def logit_ulp(steps: list[dict[int, float]]) -> float:
+    """One unit in the last place of the largest logit returned, in bf16 (the model's
+    dtype, in which vLLM computes the logits before it widens them)."""
+    top_logit = max(abs(v) for step in steps for v in step.values())
+    return 2.0 ** (math.floor(math.log2(top_logit)) - 7)
 CONTROLS = ("sign", "block", "encoder_x1", "garbage")
 CONTROL_FRAMES = 700  # past two re-anchors
 HOURS = 8.0
@@ -390,9 +407,14 @@ def analysis() -> Iterator[dict[str, Any]]:
     """The tables, from the runs above (written to $OUT whatever the checks find)."""
     for kv in ("bf16", "fp8"):
         path = SAVED / f"{'auto' if kv == 'bf16' else kv}.json"
-        if not path.exists():
+        packed = path.with_suffix(".json.gz")  # the H200's, as bench/results keeps them
+        if path.exists():
+            text = path.read_text()
+        elif packed.exists():
+            text = gzip.decompress(packed.read_bytes()).decode()
+        else:
             pytest.fail(f"no {kv} engine runs saved at {path}", pytrace=False)
-        RUNS[kv] = json.loads(path.read_text(), object_hook=_int_keys)
+        RUNS[kv] = json.loads(text, object_hook=_int_keys)
     bf, f8 = RUNS["bf16"], RUNS["fp8"]
     REPORT["probes"] = {"bf16": bf["probe"], "fp8": f8["probe"]}
     REPORT["start_s"] = {"bf16": bf["start_s"], "fp8": f8["start_s"]}
@@ -426,40 +448,56 @@ def analysis() -> Iterator[dict[str, Any]]:
 
     piece("fp8_write", write)
     delta = a["fp8_write"].get("delta")
+    ulp = logit_ulp(bf["still"]["steps"])
+    a["logit_ulp"] = ulp
+    per_rotation = {"bf16": max(delta * U_BF16 / U_E4M3, ulp) if delta is not None else None,
+                    "fp8": max(delta, ulp) if delta is not None else None}
+    a["per_rotation"] = per_rotation
 
-    def exact(runs: dict[str, Any], unit: float) -> dict[str, Any]:
+    def exact(runs: dict[str, Any], kv: str) -> dict[str, Any]:
         diffs = compare(runs["still"]["steps"], runs["moved"]["steps"])
         return {"outputs": [len(runs["still"]["steps"]), len(runs["moved"]["steps"])],
                 "by_rotations": table(diffs, rotations),
-                "tolerance_by_rotations": {str(r): round(r * delta * unit / U_E4M3, 5)
+                "tolerance_by_rotations": {str(r): round(r * float(per_rotation[kv] or 0.0), 5)
                                            for r in range(max(rotations) + 1)},
+                "worst_after_first": max(d for d, _ in diffs[first:]),
                 "stats": {k: v for k, v in runs["stats"].items()
                           if k not in ("shift_by_request", "live_blocks")},
                 "_diffs": diffs}
 
-    piece("bf16", lambda: exact(bf, U_BF16))
-    piece("fp8", lambda: exact(f8, U_E4M3))
-    a["tolerance_bf16_max"] = (round(max(rotations) * delta * U_BF16 / U_E4M3, 5)
-                               if delta is not None else None)
+    piece("bf16", lambda: exact(bf, "bf16"))
+    piece("fp8", lambda: exact(f8, "fp8"))
 
-    def control(ref: list[dict[int, float]], run: dict[str, Any]) -> dict[str, Any]:
-        d = compare(ref, run["steps"])[first:]
-        return {"max_dlogit": round(max(x for x, _ in d), 4),
-                "top1_agree": round(sum(x for _, x in d) / len(d), 4),
+    def control(kv: str, ref: list[dict[int, float]], run: dict[str, Any]
+                ) -> dict[str, Any]:
+        d = sorted(x for x, _ in compare(ref, run["steps"])[first:])
+        tol = max(rotations) * float(per_rotation[kv] or 0.0)
+        right = a[kv]["worst_after_first"]
+        return {"engine": kv, "median_dlogit": round(d[len(d) // 2], 4),
+                "max_dlogit": round(d[-1], 4),
+                "top1_agree": round(sum(x for _, x in compare(ref, run["steps"])[first:])
+                                    / len(d), 4),
+                "steps_beyond_tolerance": round(sum(x > tol for x in d) / len(d), 4),
+                "tolerance": round(tol, 5), "correct_rotation_worst": right,
+                "median_over_tolerance": round(d[len(d) // 2] / tol, 2),
+                "max_over_tolerance": round(d[-1] / tol, 2),
                 "outputs": len(run["steps"])}
 
     a["controls"] = {}
     for name in CONTROLS:
         piece(f"control_{name}",
-              lambda name=name: control(bf["still"]["steps"], bf["controls"][name]))
+              lambda name=name: control("bf16", bf["still"]["steps"], bf["controls"][name]))
         a["controls"][name] = a.pop(f"control_{name}")
-    piece("control_garbage_fp8", lambda: control(f8["still"]["steps"], f8["garbage"]))
+    piece("control_garbage_fp8",
+          lambda: control("fp8", f8["still"]["steps"], f8["garbage"]))
     a["controls"]["garbage_fp8"] = a.pop("control_garbage_fp8")
 
     def preempted() -> dict[str, Any]:
         pre = compare(bf["still"]["steps"], bf["preempted"]["steps"])
+        stats = bf.get("stats_end") or {}
         return {"outputs": len(bf["preempted"]["steps"]), "alive": bf["preempt_alive"],
-                "finish": bf["preempted"]["finish"], "by_rotations": table(pre, rotations)}
+                "finish": bf["preempted"]["finish"], "by_rotations": table(pre, rotations),
+                "preempted_ended": stats.get("preempted_ended")}
 
     piece("preempted", preempted)
 
@@ -511,30 +549,29 @@ def test_after_each_reanchor_the_logits_stay_within_the_dtypes_rounding(
         assert row["max_dlogit"] <= a["tolerance_by_rotations"][r], (kv, r, row, a)
 
 
-def test_every_negative_control_moves_the_logits_far_beyond_the_tolerance(
+def test_every_negative_control_is_beyond_the_tolerance_on_its_median_step(
         analysis: dict[str, Any]) -> None:
-    tol = analysis["tolerance_bf16_max"]
-    fp8_tol = analysis["max_rotations"] * analysis["fp8_write"]["delta"]
-    moved_agree = min(row["top1_agree"] for row in analysis["bf16"]["by_rotations"].values())
     for name, c in analysis["controls"].items():
         assert "error" not in c, (name, c)
-        bound = 10 * (fp8_tol if name == "garbage_fp8" else tol)
-        assert c["max_dlogit"] >= bound, (name, c, bound)
-        assert c["top1_agree"] < moved_agree, (name, c, moved_agree)
+        assert c["median_dlogit"] > c["tolerance"], (name, c)
+        assert c["median_dlogit"] > c["correct_rotation_worst"], (name, c)
 
 
-def test_a_preempted_reanchored_request_is_recomputed_and_the_engine_lives(
+def test_a_reanchored_request_that_vllm_preempts_is_ended_and_the_engine_lives(
         analysis: dict[str, Any]) -> None:
-    """vLLM recomputes a preempted request from position 0: after re-anchors that is its
-    kept history only, with every feature found (the old shift rule's "Encoder cache
-    miss" killed the engine core here). What the recompute cannot restore is the context
-    the dropped positions gave the kept ones' deeper layers: the report says how far the
-    logits move after it; the test holds the engine alive and the request whole."""
+    """vLLM recomputes a preempted request from position 0; after re-anchors that is its
+    kept history without the context the dropped positions gave it. The H200's first run
+    recomputed it (with every feature found: the old shift rule's "Encoder cache miss"
+    killed the engine core there) and its logits then moved further from the reference
+    than garbage keys move them (top-1 25 %, |Δlogit| p50 0.69): so the plugin ends such a
+    request with an error instead, and the session manager opens a fresh one."""
     p = analysis["preempted"]
     assert "error" not in p, p
     assert p["alive"], p
-    assert p["outputs"] >= 1500 - 10, p
-    assert "error" not in p["finish"], p
+    assert p["finish"] == ["error"], p
+    assert p["preempted_ended"] == 1, p
+    first = analysis["reanchor_outputs"][0]
+    assert first <= p["outputs"] < PREEMPT_FRAMES - 10, p  # ended, not run to the end
 
 
 def test_a_rotation_that_raises_ends_its_request_with_an_error(
@@ -548,22 +585,30 @@ def test_a_rotation_that_raises_ends_its_request_with_an_error(
     assert f["outputs"] <= first + 1, f  # nothing decoded with half-moved keys after it
 
 
+RECEIVER_CACHE_BYTES = 4 << 30
+"""vLLM 0.26's engine core keeps every multimodal input it receives in an LRU of
+`mm_processor_cache_gb` (4 GiB by default), keyed by content hash: a live audio chunk never
+hits it again, so it fills with each chunk's waveform (bf16, 2 bytes a sample) up to that
+cap. The H200's 8-hour run showed it: the engine core grew 808,398,848 bytes from hour 1
+to hour 8, the waveforms of the 308 bulk steps between them being 807,403,520."""
+
+
 def test_eight_hours_of_audio_on_one_session(analysis: dict[str, Any]) -> None:
-    """Memory constant from hour 1 to hour 8 (the worker's live blocks equal, each
-    process's resident memory within 64 MiB), and the last 64 outputs within one fp8
-    rounding's worth (δ_fp8, more than any bf16 rotation count's tolerance) of a reference
-    that never moved."""
+    """The session's own state constant from hour 1 to hour 8 (the KV blocks the worker
+    re-rotates for it equal; this process's resident memory within 64 MiB; the engine
+    core's within 64 MiB beyond what vLLM's multimodal receiver cache takes, the audio fed
+    in between up to its cap), and the last 64 outputs within one fp8 rounding's worth
+    (δ_fp8) of a reference that never moved."""
     e = analysis["eight_hours"]
     assert "error" not in e, e
     h1, h8 = e["marks"]["hour_1"], e["marks"]["hour_8"]
     assert e["audio_h"] >= HOURS, e
     assert h8["reanchors"] > h1["reanchors"], e
-    assert h1["live_blocks"].get("eight-hours") or any(
-        k.startswith("eight-hours") for k in h1["live_blocks"]), e
     blocks1 = next(v for k, v in h1["live_blocks"].items() if k.startswith("eight-hours"))
     blocks8 = next(v for k, v in h8["live_blocks"].items() if k.startswith("eight-hours"))
     assert blocks1 == blocks8, e
-    for key in ("rss_core", "rss_front"):
-        assert h8[key] - h1[key] < 64 << 20, (key, e)
+    fed = (h8["outputs"] - h1["outputs"]) * e["bulk"] * CHUNK * 2
+    assert h8["rss_front"] - h1["rss_front"] < 64 << 20, e
+    assert h8["rss_core"] - h1["rss_core"] < min(fed, RECEIVER_CACHE_BYTES) + (64 << 20), e
     assert e["tail_outputs"] == [TAIL, TAIL], e
     assert e["tail_max_dlogit"] <= analysis["fp8_write"]["delta"], e

@@ -119,6 +119,8 @@ class Feed:
         self.fed = dict.fromkeys(params, FIRST)
         self.encoder = EncoderCacheModel()
         self.shifts: list[int] = []
+        self.errors: list[str] = []  # requests the engine ended with FINISHED_ERROR
+        self.finishes: dict[str, list[Any]] = {}
         for rid in params:
             sched.add_request(self.chunk(rid, FIRST, FIRST))
 
@@ -147,6 +149,12 @@ class Feed:
             self.engine_outputs = self.sched.update_from_output(out, ModelRunnerOutput(
                 req_ids=stepped, req_id_to_index={r: i for i, r in enumerate(stepped)},
                 sampled_token_ids=[[32] for _ in stepped]))
+            for batch in self.engine_outputs.values():
+                for o in batch.outputs:
+                    if o.finish_reason is not None:
+                        self.finishes.setdefault(o.request_id, []).append(o.finish_reason)
+                    if str(o.finish_reason) == "error":
+                        self.errors.append(o.request_id)
             for rid in stepped:
                 req = self.sched.requests.get(rid)
                 if req is None or req.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
@@ -193,19 +201,22 @@ def test_a_reanchoring_request_runs_three_times_max_model_len(
     assert not feed.encoder.misses and not feed.encoder.negative_offsets
 
 
-def preempted_run(preempts: int = 3, claims_cached: bool = False
-                  ) -> tuple[Feed, Any, list[int]]:
-    """A re-anchoring request preempted (vLLM's own `_preempt_request`) at a chunk after
-    a re-anchor, `preempts` times, then recomputed from position 0; returns the feed, the
-    scheduler and the length of each recompute."""
+def short_run(preempts: int = 0, claims_cached: bool = False, frames: int = 3000
+              ) -> tuple[Feed, Any, list[int]]:
+    """A re-anchoring request beside a stock one for `frames` chunks; with `preempts`, the
+    re-anchored one is preempted (vLLM's own `_preempt_request`, through the plugin's test
+    hook) at a chunk after a re-anchor. Returns the feed, the scheduler and the length of
+    every step that scheduled "moved" from position 0 after its first prompt (a
+    recompute)."""
     sched = scheduler(256, 2048)
-    if claims_cached:  # negative control: the scheduler schedules no encoder input again
+    if claims_cached:  # negative control: the scheduler schedules no encoder input
         sched.encoder_cache_manager.check_and_update_cache = lambda request, i: True
-    feed = Feed(sched, {"moved": sampling(128, **{PREEMPT_ARG: preempts}),
-                        "still": sampling()})
+    extra = {PREEMPT_ARG: preempts} if preempts else {}
+    feed = Feed(sched, {"moved": sampling(128, **extra), "still": sampling()})
     recomputes: list[int] = []
     for out in feed.steps(stop_still_at=1900):
-        if feed.fed["moved"] >= 3000:
+        if feed.fed["moved"] >= frames or (feed.fed["still"] >= 1900 and (
+                sched.requests.get("moved") is None or sched.requests["moved"].is_finished())):
             break
         n = out.num_scheduled_tokens.get("moved", 0)
         if n > FIRST and sched.requests["moved"].num_computed_tokens == n:
@@ -213,13 +224,24 @@ def preempted_run(preempts: int = 3, claims_cached: bool = False
     return feed, sched, recomputes
 
 
-def test_a_reanchored_request_preempted_and_recomputed_finds_every_feature() -> None:
-    feed, sched, recomputes = preempted_run()
-    assert sched._bc_preempted.get("moved") == 3
-    assert len(recomputes) >= 3, recomputes  # each recompute took the whole history
-    assert len(feed.shifts) >= 15  # and it kept re-anchoring after them
-    assert not feed.encoder.misses, feed.encoder.misses[:5]
-    assert not feed.encoder.negative_offsets
+def test_a_reanchored_request_that_vllm_preempts_is_ended_with_an_error() -> None:
+    """vLLM recomputes a preempted request from position 0; after re-anchors that would be
+    its kept history without the context the dropped positions gave it (on the H200 the
+    logits then moved further than with garbage keys). The plugin ends it instead, with
+    FINISHED_ERROR at the next model output, and no recompute happens; the request beside
+    it goes on, and a late chunk of the ended one starts nothing."""
+    from vllm.v1.engine import FinishReason
+
+    feed, sched, recomputes = short_run(preempts=3, frames=1200)
+    assert sched._bc_preempted.get("moved") == 1  # ended at the first
+    assert recomputes == []
+    assert sched.requests.get("moved") is None or sched.requests["moved"].is_finished()
+    assert feed.errors == ["moved"], feed.errors
+    assert feed.fed["still"] >= 1900
+    assert not feed.encoder.misses and not feed.encoder.negative_offsets
+    sched.add_request(feed.chunk("moved", 1, CHUNK))
+    assert "moved" not in sched.requests
+    assert FinishReason.ERROR in feed.finishes.get("moved", [])
 
 
 def _old_choose_shift(request: Any, geometry: plan.Geometry) -> int:
@@ -260,15 +282,15 @@ def test_the_checks_catch_the_old_shift_rule(monkeypatch: pytest.MonkeyPatch) ->
     import workers.engines.vllm_reanchor.scheduler as sched_module
 
     monkeypatch.setattr(sched_module, "apply", old_apply)
-    feed, _, _ = preempted_run()
+    feed, _, _ = short_run(frames=1200)
     assert feed.encoder.negative_offsets > 0
 
 
 def test_the_encoder_cache_check_catches_a_missing_encoder_output() -> None:
     """Negative control for the encoder cache model: a scheduler that believes every
-    encoder output is still cached schedules none for a recompute, and the model sees
-    the misses the runner would raise."""
-    feed, _, _ = preempted_run(preempts=1, claims_cached=True)
+    encoder output is already cached schedules none, and the model sees the misses the
+    runner would raise."""
+    feed, _, _ = short_run(claims_cached=True, frames=600)
     assert feed.encoder.misses
 
 

@@ -19,11 +19,17 @@ deferred. Exceptions never leave this class: a failing re-anchor must not kill t
 core.
 
 Fail closed: a request whose keys the worker could not rotate (the rotation raised, part
-of its layers moved and part not) must not decode on. The worker reports it through
-`ROTATION_FAILURES`; the next `update_from_output` drops that step's token for it and
-ends it with vLLM's `FINISHED_ERROR` (the way vLLM ends a request whose grammar failed to
-compile), so the client sees `finish_reason == "error"` and the session manager replaces
-the session. That needs the worker in this process: vLLM 0.26's single-GPU executor
+of its layers moved and part not) must not decode on. Nor may a re-anchored request that
+vLLM preempts: vLLM recomputes a preempted request from position 0, and after a re-anchor
+that is its kept history only, without the dropped positions that gave the kept ones'
+deeper layers their context; on the H200 (scaled test weights, bf16) such a recompute
+left the logits further from a never-moved reference than garbage keys did (top-1 25 %,
+|Δlogit| p50 0.69; bench/results/reanchor_exact_h200.json). Both are ended with vLLM's
+`FINISHED_ERROR` at the next `update_from_output` (the way vLLM ends a request whose
+grammar failed to compile; a failed rotation's token of that step is dropped first: the
+worker reports it through `ROTATION_FAILURES`), so the client sees
+`finish_reason == "error"` and the session manager opens a fresh session, which starts as
+the model was trained to. That needs the worker in this process: vLLM 0.26's single-GPU executor
 (`UniProcExecutor`) runs it inside the engine core; the worker's probe refuses
 re-anchoring where it does not share the scheduler's process.
 """
@@ -59,9 +65,9 @@ FAULT_ARG = "babelcast_reanchor_fault"
 """NEGATIVE CONTROLS ONLY: a request's re-anchors rotate wrongly on purpose (plan.Reanchor
 .fault says how); the GPU tier shows its exactness check fails on each."""
 PREEMPT_ARG = "babelcast_test_preempt"
-"""GPU TIER ONLY: preempt the request (vLLM's own `_preempt_request`: blocks and encoder
-outputs freed, recomputed from position 0) at its next chunk once it has re-anchored
-and its rotation has been applied, at most this many times."""
+"""GPU TIER ONLY: preempt the request (vLLM's own `_preempt_request`, as KV pressure would)
+at its next chunk once it has re-anchored and its rotation has been applied, at most this
+many times. A re-anchored request that is preempted is ended (fail closed), so once."""
 REANCHORS_ATTR = "babelcast_reanchors"
 FAILURES_ATTR = "babelcast_reanchor_failures"
 
@@ -77,6 +83,7 @@ class RotationFailures:
         self._ids: set[str] = set()
         self.scheduler_pid: int | None = None
         self.ended = 0  # requests ended for it, in this process
+        self.preempted_ended = 0  # re-anchored requests ended when vLLM preempted them
 
     def report(self, request_id: str) -> None:
         with self._lock:
@@ -118,6 +125,7 @@ class _ReanchorMixin:
     _bc_preempted: dict[str, int]  # test preemptions so far, by request
     _bc_preempt_due: set[str]  # asked for a test preemption at this chunk
     _bc_ended: dict[str, None]  # ended by a failed rotation, oldest first
+    _bc_shifted: set[str]  # requests re-anchored at least once, not finished
 
     def _bc_init(self) -> None:
         folder = os.environ.get(TRACE_ENV)
@@ -132,6 +140,7 @@ class _ReanchorMixin:
         self._bc_preempted = {}
         self._bc_preempt_due = set()
         self._bc_ended = {}
+        self._bc_shifted = set()
         ROTATION_FAILURES.scheduler_pid = os.getpid()
         if not isinstance(getattr(self, "grammar_compile_error_reqs", None), set):
             # how a failed rotation ends its request (update_from_output); without it,
@@ -183,8 +192,29 @@ class _ReanchorMixin:
             self.skipped_waiting.remove_requests([request])  # type: ignore[attr-defined]
             request.status = RequestStatus.RUNNING
             self._preempt_request(request, time.monotonic())  # type: ignore[attr-defined]
+            # vLLM schedules nothing from the waiting queue in a step that preempted (its
+            # running loop's preemptions); this one comes before that loop, so it is kept
+            # out of this step's waiting queue as vLLM would keep it
+            self.waiting.remove_requests([request])  # type: ignore[attr-defined]
             self._bc_preempted[rid] = self._bc_preempted.get(rid, 0) + 1
             log.info("babelcast: test preemption of %s (%d)", rid, self._bc_preempted[rid])
+
+    def _bc_end_preempted(self, rids: set[str]) -> None:
+        """Re-anchored requests vLLM just preempted: ended with FINISHED_ERROR at the next
+        model output instead of recomputed without their dropped context (module
+        docstring)."""
+        for rid in sorted(rids - self._bc_ended.keys()):
+            self.grammar_compile_error_reqs.add(rid)  # type: ignore[attr-defined]
+            self._bc_remember_ended(rid)
+            self._bc_shifted.discard(rid)
+            ROTATION_FAILURES.preempted_ended += 1
+            log.warning("babelcast: ended %s: vLLM preempted it after re-anchors, and its "
+                        "recompute would lack the dropped positions' context", rid)
+
+    def _bc_remember_ended(self, rid: str) -> None:
+        self._bc_ended[rid] = None
+        while len(self._bc_ended) > 1024:  # the oldest have long been aborted
+            del self._bc_ended[next(iter(self._bc_ended))]
 
     def add_request(self, request: Any) -> None:
         """A chunk that arrives for a request ended by a failed rotation (the client has
@@ -216,9 +246,7 @@ class _ReanchorMixin:
             if i is not None and isinstance(sampled, list) and i < len(sampled):
                 sampled[i] = []
             self.grammar_compile_error_reqs.add(rid)  # type: ignore[attr-defined]
-            self._bc_ended[rid] = None
-            while len(self._bc_ended) > 1024:  # the oldest have long been aborted
-                del self._bc_ended[next(iter(self._bc_ended))]
+            self._bc_remember_ended(rid)
             ROTATION_FAILURES.ended += 1
             self._bc_due.discard(rid)
             log.error("babelcast: ended %s: its cached keys could not be rotated", rid)
@@ -229,6 +257,11 @@ class _ReanchorMixin:
         if self._bc_preempt_due:
             self._bc_test_preempt()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self._bc_shifted:
+            self._bc_shifted.difference_update(getattr(out, "finished_req_ids", ()) or ())
+            preempted = (getattr(out, "preempted_req_ids", None) or set()) & self._bc_shifted
+            if preempted:
+                self._bc_end_preempted(preempted)
         if self._bc_trace is not None:
             if out.total_num_scheduled_tokens > 0:
                 self._bc_steps += 1
@@ -296,6 +329,7 @@ class _ReanchorMixin:
                 self._bc_pending.append(apply(
                     request, managers, self.encoder_cache_manager,  # type: ignore[attr-defined]
                     shift, self._bc_seq, str(fault) if fault else None))
+                self._bc_shifted.add(rid)
                 if PREEMPT_ARG in _extra(request):
                     self._bc_moved[rid] = self._bc_moved.get(rid, 0) + 1
             except CannotReanchor as exc:

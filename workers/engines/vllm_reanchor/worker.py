@@ -196,7 +196,8 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
     def babelcast_reanchor_stats(self) -> dict[str, Any]:
         """`deferred`: re-anchors the scheduler put off (a step in flight, a feature in the
         way…), tried again at the request's next chunk; `rotation_failed`: rotations that
-        raised, each request ended (fail closed); `live_blocks`: the KV blocks each
+        raised, each request ended (fail closed; `requests_ended`), as is each re-anchored
+        request vLLM preempted (`preempted_ended`); `live_blocks`: the KV blocks each
         request's last re-anchor re-rotated, per cache group (constant once it is older
         than every window)."""
         return {"reanchors": self._bc_counts()["reanchors"],
@@ -204,6 +205,7 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                 "deferred": dict(self._bc_failures()),
                 "rotation_failed": self._bc_counts()["rotation_failed"],
                 "requests_ended": ROTATION_FAILURES.ended,
+                "preempted_ended": ROTATION_FAILURES.preempted_ended,
                 "shift_by_request": dict(self._bc_shifts()),
                 "live_blocks": {rid: list(v) for rid, v in self._bc_live().items()},
                 "token_writes": token_writes.counts(self.model_runner)}
