@@ -164,3 +164,12 @@ class FakeVllmBackend:
     def shutdown(self) -> None:
         self.shutdowns += 1
         time.sleep(self.shutdown_block_s)  # AsyncLLM.shutdown() blocks like this
+
+
+async def started_health(engine: Any) -> dict[str, str]:
+    """Start an engine (over a fake backend), say what its health would, close it."""
+    await engine.start()
+    try:
+        return dict(engine.describe())
+    finally:
+        await engine.aclose()

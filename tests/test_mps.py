@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench import voxtral_capacity as capacity
-from tests.fake_vllm import FakeVllmBackend
+from tests.fake_vllm import FakeVllmBackend, started_health
 from workers.engines.base import EngineError
 from workers.engines.mps import CONTROL, mps_advice, mps_clients, mps_servers, mps_unserved
 from workers.engines.vllm_checks import engine_core_pids
@@ -89,16 +89,8 @@ def probing(pid: int | None = ENGINE_CORE) -> FakeVllmBackend:
     return FakeVllmBackend(version="0.26.0", reanchor_requested=True, probe_answer=probe)
 
 
-async def described(engine: VllmVoxtralEngine) -> dict[str, str]:
-    await engine.start()
-    try:
-        return engine.describe()
-    finally:
-        await engine.aclose()
-
-
 def run(engine: VllmVoxtralEngine) -> dict[str, str]:
-    return asyncio.run(asyncio.wait_for(described(engine), 20))
+    return asyncio.run(asyncio.wait_for(started_health(engine), 20))
 
 
 def test_the_daemon_answers_with_its_servers_and_their_clients_or_there_is_no_mps(

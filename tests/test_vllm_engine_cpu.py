@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_vllm import FRAME, FakeVllmBackend
+from tests.fake_vllm import FRAME, FakeVllmBackend, started_health
 from workers.engines.base import EngineError, SessionOptions
 from workers.engines.vllm_checks import WHY_CHARS, kv_sessions, kv_shortfall
 from workers.engines.vllm_voxtral import (
@@ -73,15 +73,6 @@ def built(backend: FakeVllmBackend, folder: Path, **opts: object) -> VllmVoxtral
     return VllmVoxtralEngine(
         VllmEngineOptions(model=model_folder(folder), **opts),  # type: ignore[arg-type]
         backend_factory=lambda _: backend)
-
-
-async def started(engine: VllmVoxtralEngine) -> dict[str, str]:
-    """Start the engine, say what health would, close it."""
-    await engine.start()
-    try:
-        return engine.describe()
-    finally:
-        await engine.aclose()
 
 
 AGED_BLOCKS = 78
@@ -588,7 +579,7 @@ def test_an_engine_whose_kv_cache_cannot_hold_its_streams_aged_refuses_to_start(
     assert short.shutdowns == 1, "a refused engine keeps no AsyncLLM"
     enough = FakeVllmBackend(version="0.26.0", reanchor_requested=True,
                              probe_answer=probe_for(16))
-    described = run(started(built(enough, tmp_path, max_streams=16)))
+    described = run(started_health(built(enough, tmp_path, max_streams=16)))
     assert described["engine_session_slots"] == "16"  # type: ignore[index]
     assert described["engine_mode"] == "reanchor"  # type: ignore[index]
 
@@ -638,7 +629,7 @@ def test_health_says_why_sessions_roll_over_when_reanchoring_was_asked_for(
             "rotate")
 
     def mode(**opts: object) -> tuple[str, str | None]:
-        d = run(started(built(FakeVllmBackend(**opts), tmp_path)))  # type: ignore[arg-type]
+        d = run(started_health(built(FakeVllmBackend(**opts), tmp_path)))  # type: ignore[arg-type]
         return d["engine_mode"], d["engine_mode_why"] or None  # type: ignore[index]
 
     refused = {"supported": False, "why_not": int4}
@@ -654,7 +645,7 @@ def test_health_says_why_sessions_roll_over_when_reanchoring_was_asked_for(
     assert why is not None and "vLLM 0.33.0 is not a version the plugin was run on" in why
     assert mode(version="0.26.0", reanchor_requested=True,
                 probe_answer=probe_for(40)) == ("reanchor", None)
-    off = run(started(built(FakeVllmBackend(version="0.26.0"), tmp_path, reanchor="off")))
+    off = run(started_health(built(FakeVllmBackend(version="0.26.0"), tmp_path, reanchor="off")))
     assert (off["engine_mode"], off["engine_mode_why"]) == ("rollover", "")  # type: ignore[index]
 
 
@@ -667,7 +658,7 @@ def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_r
     def start(answer: dict[str, object] | Exception, **opts: object
               ) -> tuple[dict[str, str], FakeVllmBackend]:
         backend = FakeVllmBackend(version="0.26.0", direct_answer=answer)
-        return run(started(built(backend, tmp_path, **opts))), backend  # type: ignore[return-value]
+        return run(started_health(built(backend, tmp_path, **opts))), backend  # type: ignore[return-value]
 
     equal, backend = start({"prompts": 30, "equal": True, "mismatches": []})
     assert equal["engine_input"] == "direct" and equal["engine_input_why"] == ""
@@ -688,7 +679,7 @@ def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_r
     # Nothing checked where direct input is not wanted: "off", or "auto" on another vLLM.
     for opts, version in (({"direct_input": "off"}, "0.26.0"), ({}, "0.33.0")):
         backend = FakeVllmBackend(version=version)
-        d = run(started(built(backend, tmp_path, **opts)))
+        d = run(started_health(built(backend, tmp_path, **opts)))
         assert d["engine_input"] == "renderer" and d["engine_input_why"] == ""  # type: ignore[index]
         assert backend.direct_checks == 0
 
@@ -700,11 +691,11 @@ def test_a_direct_input_check_that_does_not_answer_keeps_the_renderer(
     FAKE backend's check sleeps; the limit is shortened from 60 s for the test.)"""
     monkeypatch.setattr("workers.engines.vllm_checks.DIRECT_CHECK_S", 0.2)
     slow = FakeVllmBackend(version="0.26.0", direct_check_s=30.0)
-    d = run(started(built(slow, tmp_path)), 10)
+    d = run(started_health(built(slow, tmp_path)), 10)
     assert d["engine_input"] == "renderer"  # type: ignore[index]
     assert d["engine_input_why"].startswith("its check failed: TimeoutError")  # type: ignore[index]
     quick = FakeVllmBackend(version="0.26.0", direct_check_s=0.01)
-    assert run(started(built(quick, tmp_path)), 10)["engine_input"] == "direct"  # type: ignore[index]
+    assert run(started_health(built(quick, tmp_path)), 10)["engine_input"] == "direct"  # type: ignore[index]
 
 
 def test_sessions_of_an_engine_whose_direct_check_failed_go_through_the_renderer(

@@ -11,10 +11,8 @@ client and a redis-server on PATH (`EXTRAS=1` staging for the lent H200).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -23,15 +21,11 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.tier import gpu_tier
+
 pytestmark = pytest.mark.gpu
 
-MODEL_DIR = os.environ.get("BABELCAST_VOXTRAL_DIR", "")
-if not MODEL_DIR:
-    pytest.skip("set BABELCAST_VOXTRAL_DIR to run the GPU tier", allow_module_level=True)
-if not (importlib.util.find_spec("vllm") and shutil.which("nvidia-smi")
-        and importlib.util.find_spec("ray") and shutil.which("redis-server")):
-    pytest.fail("BABELCAST_VOXTRAL_DIR is set but vLLM, a CUDA GPU, Ray or redis-server "
-                "is missing", pytrace=False)
+MODEL_DIR = gpu_tier(modules=("vllm", "ray"), tools=("nvidia-smi", "redis-server"))
 
 import psutil  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402

@@ -45,11 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import importlib.util
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -58,14 +56,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.gpu.tier import gpu_tier
+
 pytestmark = pytest.mark.gpu
 
-MODEL_DIR = os.environ.get("BABELCAST_VOXTRAL_DIR", "")
-if not MODEL_DIR:
-    pytest.skip("set BABELCAST_VOXTRAL_DIR to run the GPU tier", allow_module_level=True)
-if not (importlib.util.find_spec("vllm") and shutil.which("nvidia-smi")):
-    pytest.fail("BABELCAST_VOXTRAL_DIR is set but vLLM or a CUDA GPU is missing",
-                pytrace=False)
+MODEL_DIR = gpu_tier()
 
 import psutil  # noqa: E402
 

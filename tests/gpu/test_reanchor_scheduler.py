@@ -16,21 +16,17 @@ GPU: with vLLM installed on a CPU host (its platform forced to CPU) it runs ther
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.gpu.tier import gpu_tier
+
 pytestmark = pytest.mark.gpu
 
-MODEL_DIR = os.environ.get("BABELCAST_VOXTRAL_DIR", "")
-if not MODEL_DIR:
-    pytest.skip("set BABELCAST_VOXTRAL_DIR to run the GPU tier", allow_module_level=True)
-if not importlib.util.find_spec("vllm"):
-    pytest.fail("BABELCAST_VOXTRAL_DIR is set but vLLM is missing", pytrace=False)
+MODEL_DIR = gpu_tier(tools=())  # no GPU work: vLLM's scheduler only
 
 from workers.engines.vllm_reanchor import plan  # noqa: E402
 from workers.engines.vllm_reanchor.scheduler import (  # noqa: E402

@@ -16,9 +16,7 @@ re-anchoring (a second engine object over the same backend), which roll over ins
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -27,16 +25,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.gpu.tier import gpu_tier
+
 pytestmark = pytest.mark.gpu
 
-MODEL_DIR = os.environ.get("BABELCAST_VOXTRAL_DIR", "")
-if not MODEL_DIR:
-    pytest.skip("set BABELCAST_VOXTRAL_DIR to run the GPU tier", allow_module_level=True)
-if not (importlib.util.find_spec("vllm") and shutil.which("nvidia-smi")):
-    # No torch.cuda call here: a CUDA context in this process breaks vLLM's forked
-    # engine core ("Cannot re-initialize CUDA in forked subprocess").
-    pytest.fail("BABELCAST_VOXTRAL_DIR is set but vLLM or a CUDA GPU is missing",
-                pytrace=False)
+MODEL_DIR = gpu_tier()
 
 import psutil  # noqa: E402
 
