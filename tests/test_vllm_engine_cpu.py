@@ -727,11 +727,13 @@ def test_reanchor_stats_tell_routine_deferrals_from_failed_rotations() -> None:
     because a step of the request is still in flight is routine (tried again at its next
     chunk); a rotation that raised ended a request and is what the alert counts."""
     engine = engine_with(FakeVllmBackend())
-    engine.reanchor_counts = {"reanchors": 7, "rotation_failed": 2, "deferred": {
-        "a step of this request is still in flight": 40, "no block to free yet": 3}}
+    engine.reanchor_counts = {"reanchors": 7, "rotation_failed": 2, "preempted_ended": 1,
+                              "deferred": {"a step of this request is still in flight": 40,
+                                           "no block to free yet": 3}}
     stats = engine.stats()
     assert stats["reanchors"] == 7 and stats["reanchor_deferred"] == 43
     assert stats["reanchor_rotation_failures"] == 2
+    assert stats["reanchor_preempted_ended"] == 1  # counted apart from the rotation alert
     assert "reanchor_failures" not in stats
     assert engine_with(FakeVllmBackend()).stats()["reanchor_rotation_failures"] == 0
 

@@ -433,11 +433,13 @@ class VllmVoxtralEngine(SpeechEngine):
     def stats(self) -> dict[str, float]:
         """Counters since start. From the plugin worker (`reanchor_counts`): re-anchors
         applied, those `deferred` (a routine wait: a step of the request still in flight,
-        tried again at its next chunk) and rotations that raised (each ended its request)."""
+        tried again at its next chunk), rotations that raised (each ended its request) and
+        re-anchored requests ended because vLLM preempted them."""
         counts = self.reanchor_counts
         return {"sessions_open": self.sessions_open, "aborts": self.aborts,
                 "slot_refusals": self.slot_refusals, "reanchoring": float(self.reanchoring),
                 "reanchors": float(counts.get("reanchors", 0)),
                 "reanchor_deferred": float(sum(counts.get("deferred", {}).values())),
                 "reanchor_rotation_failures": float(counts.get("rotation_failed", 0)),
+                "reanchor_preempted_ended": float(counts.get("preempted_ended", 0)),
                 "reanchor_overruns": self.overruns, "request_errors": self.request_errors}
