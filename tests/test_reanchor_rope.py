@@ -20,6 +20,11 @@ from workers.engines.vllm_reanchor.rope import (
 
 pytestmark = pytest.mark.unit
 
+# These tensors are small: one thread, so that torch starts no OpenMP thread pool in the
+# suite's process beside ctranslate2's own OpenMP (a fresh-clone run here once aborted at
+# interpreter exit with "corrupted double-linked list" after these tests joined the suite).
+torch.set_num_threads(1)
+
 DECODER = RopeStyle(rotary_dim=128, base=1e6, neox=True)
 ENCODER = RopeStyle(rotary_dim=64, base=1e6, neox=False, position_scale=4)
 

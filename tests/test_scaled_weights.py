@@ -14,6 +14,11 @@ from workers.engines.vllm_reanchor.scaled_weights import QK_GAIN, scale_weights_
 
 pytestmark = pytest.mark.unit
 
+# These tensors are small: one thread, so that torch starts no OpenMP thread pool in the
+# suite's process beside ctranslate2's own OpenMP (a fresh-clone run here once aborted at
+# interpreter exit with "corrupted double-linked list" after these tests joined the suite).
+torch.set_num_threads(1)
+
 DIM, HEADS, HEAD = 256, 4, 64
 
 
