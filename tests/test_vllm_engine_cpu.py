@@ -391,7 +391,7 @@ def test_a_request_the_engine_ended_in_error_fails_the_session_for_a_new_one() -
 
     failed, engine, backend, words = run(go(5))  # type: ignore[misc]
     assert isinstance(failed, EngineError) and failed.retryable
-    assert "ended the request because a re-anchor failed" in str(failed)
+    assert "ended the request because its re-anchored state could not be kept" in str(failed)
     assert words == [" w0", " w1", " w2", " w3", " w4"]  # nothing from the errored output
     assert engine.stats()["request_errors"] == 1
     assert len(backend.aborted) == 1 and engine.aborts == 1 and engine.sessions_open == 0

@@ -61,7 +61,8 @@ class VllmEngineOptions:
     wherever the probe agrees; off: warm rollovers only."""
     reanchor_every: int = 4096
     """Positions between a session's re-anchors. Each one re-rotates every live key once
-    (one bf16 rounding); between them the token history grows by this much."""
+    (one rounding in the cache's dtype, bf16 or fp8); between them the token history grows
+    by this much."""
     rollover_headroom: int | None = None
     """Sessions beyond max_streams (warm rollovers, rut restarts); None: a quarter, ≥ 1."""
     direct_input: Literal["auto", "on", "off"] = "auto"

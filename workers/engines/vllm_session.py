@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 ENGINE_ENDED_IN_ERROR = "error"
 """`CompletionOutput.finish_reason` of a request the engine core finished with
 `RequestStatus.FINISHED_ERROR` (vLLM's `str(FinishReason.ERROR)`). The re-anchoring
-scheduler ends a request so when rotating its cached keys raised: part of its layers may
-be rotated and part not, and decoding on would caption from keys at wrong positions. Its
-generator then ends like a finished one, so the session must not take it for one."""
+scheduler ends a request so when rotating its cached keys raised (part of its layers may
+be rotated and part not, and decoding on would caption from keys at wrong positions), or
+when vLLM preempted it after re-anchors (its recompute would lack the dropped positions'
+context). vLLM's front end keeps a streaming request's generator open after it, so the
+session leaves, aborts the request and fails for a fresh one."""
 
 
 class FrameMap:
@@ -148,12 +150,13 @@ class VllmVoxtralSession(RecognizeSession):
             if in_error:
                 engine.request_errors += 1
                 log.warning("stream %s: the vllm engine ended its request with an error (a "
-                            "failed re-anchor); the session is replaced",
-                            self.options.stream_id)
+                            "failed rotation, or a preemption after re-anchors); the "
+                            "session is replaced", self.options.stream_id)
                 raise EngineError(
                     f"stream {self.options.stream_id}: the vllm engine ended the request "
-                    f"because a re-anchor failed (its cached keys could not be rotated, so "
-                    f"they are not trusted); a new session takes over")
+                    f"because its re-anchored state could not be kept (its cached keys "
+                    f"could not be rotated, or vLLM preempted it after re-anchors); a new "
+                    f"session takes over")
             # Either our END flushed it, or the engine ended the session on its own
             # (max_model_len on vLLM >= 0.33); the session manager takes it from here.
             finished = True

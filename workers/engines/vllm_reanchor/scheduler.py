@@ -24,7 +24,7 @@ vLLM preempts: vLLM recomputes a preempted request from position 0, and after a 
 that is its kept history only, without the dropped positions that gave the kept ones'
 deeper layers their context; on the H200 (scaled test weights, bf16) such a recompute
 left the logits further from a never-moved reference than garbage keys did (top-1 25 %,
-|Δlogit| p50 0.69; bench/results/reanchor_exact_h200.json). Both are ended with vLLM's
+|Δlogit| p50 0.69; bench/results/reanchor_exact_h200/). Both are ended with vLLM's
 `FINISHED_ERROR` at the next `update_from_output` (the way vLLM ends a request whose
 grammar failed to compile; a failed rotation's token of that step is dropped first: the
 worker reports it through `ROTATION_FAILURES`), so the client sees
@@ -121,7 +121,6 @@ class _ReanchorMixin:
     _bc_trace_next: float
     _bc_steps: int  # trace only: steps with tokens since the last trace line
     _bc_batched: int  # trace only: requests those steps scheduled
-    _bc_moved: dict[str, int]  # re-anchors so far, by request (GPU tier's preemption)
     _bc_preempted: dict[str, int]  # test preemptions so far, by request
     _bc_preempt_due: set[str]  # asked for a test preemption at this chunk
     _bc_ended: dict[str, None]  # ended by a failed rotation, oldest first
@@ -136,7 +135,6 @@ class _ReanchorMixin:
         self._bc_pending = []
         self._bc_failures = {}
         self._bc_seq = 0
-        self._bc_moved = {}
         self._bc_preempted = {}
         self._bc_preempt_due = set()
         self._bc_ended = {}
@@ -185,7 +183,7 @@ class _ReanchorMixin:
             if request is None or request.status != RequestStatus.WAITING:
                 continue
             limit = int(_extra(request).get(PREEMPT_ARG) or 0)
-            if (not self._bc_moved.get(rid) or self._bc_preempted.get(rid, 0) >= limit
+            if (rid not in self._bc_shifted or self._bc_preempted.get(rid, 0) >= limit
                     or any(r.request_id == rid for r in self._bc_pending)):
                 continue
             self.waiting.remove_requests([request])  # type: ignore[attr-defined]
@@ -330,8 +328,6 @@ class _ReanchorMixin:
                     request, managers, self.encoder_cache_manager,  # type: ignore[attr-defined]
                     shift, self._bc_seq, str(fault) if fault else None))
                 self._bc_shifted.add(rid)
-                if PREEMPT_ARG in _extra(request):
-                    self._bc_moved[rid] = self._bc_moved.get(rid, 0) + 1
             except CannotReanchor as exc:
                 self._bc_failures[rid] = str(exc)
             except Exception as exc:
