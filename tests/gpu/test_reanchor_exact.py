@@ -114,20 +114,32 @@ def top(step: dict[int, float], k: int = TOP) -> list[tuple[int, float]]:
     return sorted(step.items(), key=lambda kv: -kv[1])[:k]
 
 
+def sampling(every: int | None, extra: dict[str, Any] | None = None) -> Any:
+    """Greedy, one token per chunk, deltas, the top raw logits returned; the plugin's
+    re-anchoring (and fault hooks) by extra args."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    args = {**({"babelcast_reanchor_every": every} if every else {}), **(extra or {})}
+    return SamplingParams.from_optional(
+        temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA, skip_clone=True,
+        logprobs=LOGPROBS, extra_args=args or None)
+
+
+def top_logits(completion: Any) -> dict[int, float]:
+    """The raw top logits of a delta output's last token (logprobs_mode "raw_logits")."""
+    lp = completion.logprobs
+    return {int(t): float(v.logprob) for t, v in lp[len(lp) - 1].items()}
+
+
 async def request(engine: VllmVoxtralEngine, audio: np.ndarray, frames: int, rid: str,
                   every: int | None, extra: dict[str, Any] | None = None,
                   start: int = 0) -> dict[str, Any]:
     """One teacher-forced request straight on the engine's AsyncLLM: `frames` frames of
     speech from frame `start`, as fast as it takes them, the blank fed back after every
     output; each output's raw top logits."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
     backend: Any = engine.backend
     tokens: asyncio.Queue[list[int]] = asyncio.Queue()
-    args = {**({"babelcast_reanchor_every": every} if every else {}), **(extra or {})}
-    params = SamplingParams.from_optional(
-        temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA, skip_clone=True,
-        logprobs=LOGPROBS, extra_args=args or None)
+    params = sampling(every, extra)
 
     async def feed() -> AsyncIterator[np.ndarray]:
         for i in range(frames):
@@ -145,9 +157,8 @@ async def request(engine: VllmVoxtralEngine, audio: np.ndarray, frames: int, rid
             finish.append("error")  # generator stays open: leave, and abort it)
             await backend.abort(rid)
             break
-        lp = c.logprobs
-        if lp is not None and len(lp):
-            steps.append({int(t): float(v.logprob) for t, v in lp[len(lp) - 1].items()})
+        if c.logprobs is not None and len(c.logprobs):
+            steps.append(top_logits(c))
         tokens.put_nowait([32])
     return {"steps": steps, "finish": finish}
 
@@ -231,8 +242,6 @@ async def eight_hours(engine: VllmVoxtralEngine, audio: np.ndarray) -> dict[str,
     reference fed the same audio's last REF_FRAMES + TAIL frames the same way. Memory of
     the engine core and this process at 1 hour and at the end; the worker's live blocks
     of the session at both."""
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
     backend: Any = engine.backend
     unit = int(engine.reanchor_probe["unit"])
     assert BULK % unit == 0, (BULK, unit)
@@ -247,10 +256,7 @@ async def eight_hours(engine: VllmVoxtralEngine, audio: np.ndarray) -> dict[str,
     async def run(rid: str, every: int | None, bulk_steps: int, frames: int, start: int,
                   mark_at: dict[int, str]) -> list[dict[int, float]]:
         tokens: asyncio.Queue[list[int]] = asyncio.Queue()
-        params = SamplingParams.from_optional(
-            temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.DELTA,
-            skip_clone=True, logprobs=LOGPROBS,
-            extra_args={"babelcast_reanchor_every": every} if every else None)
+        params = sampling(every)
         want = 1 + lead + bulk_steps + TAIL
 
         async def feed() -> AsyncIterator[np.ndarray]:
@@ -263,8 +269,7 @@ async def eight_hours(engine: VllmVoxtralEngine, audio: np.ndarray) -> dict[str,
                                             request_id=rid):
             if not o.outputs:
                 continue
-            lp = o.outputs[0].logprobs
-            out.append({int(t): float(v.logprob) for t, v in lp[len(lp) - 1].items()})
+            out.append(top_logits(o.outputs[0]))
             n = len(out)
             if n in mark_at:
                 await asyncio.sleep(STATS_WAIT_S)  # one stats poll of the engine
