@@ -174,7 +174,7 @@ async def test_one_stream_whose_session_crashes_does_not_stop_another(
 
         async def healthy_done() -> bool:
             # room-b's last word ends at ~9.7 s. Any final that reaches it, not the last
-            # caption: tentative words on trailing audio may follow it, closed empty.
+            # caption: tentative words on trailing audio may follow it, withdrawn.
             captions = await bus.captions_after("healthy", "en", 0)
             return any(c.is_final and c.text and c.audio_end_s > 9.0 for c in captions)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -135,6 +136,28 @@ async def test_captions_appear_interims_grow_and_finals_replace_them(
     assert background == "rgba(0, 0, 0, 0)", "transparent for OBS"
     ARTIFACTS.mkdir(exist_ok=True)
     await page.screenshot(path=str(ARTIFACTS / "overlay.png"), omit_background=True)
+
+
+async def test_a_withdrawn_interim_leaves_the_screen_and_never_comes_back(
+    browser: Browser, gateway: Gateway, bus: RedisBus
+) -> None:
+    page = await new_page(browser)
+    await page.goto(f"{gateway.base}/overlay/hall?lang=en&since=0")
+    await until_live(page)
+    await show(page, bus, [caption(1, 1, "Had he married.", 0.0, 1.0),
+                           caption(2, 2, "And Mr. John", 1.5, 2.2, final=False)])
+    assert await lines(page) == ["Had he married.", "And Mr. John"]
+    withdraw = replace(caption(3, 2, "", 1.5, 2.2, final=False), lines=(), withdrawn=True)
+    await show(page, bus, [withdraw])
+    # The interim is gone and the final before it stays: no empty caption replaced it.
+    assert await lines(page) == ["Had he married."]
+    assert await page.locator(f"{track('en')} .line.interim").count() == 0
+    # A reload resumes after the withdraw and shows the same screen.
+    await page.reload()
+    await until_live(page)
+    assert await lines(page) == ["Had he married."]
+    await show(page, bus, [caption(4, 3, "Dashwood.", 2.5, 3.0)])
+    assert await lines(page) == ["Had he married.", "Dashwood."]
 
 
 async def test_reload_resumes_exactly_without_repeating_or_skipping(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import pytest
 
+from workers.bus import caption_from_json, caption_to_json
 from workers.captions.segmenter import Segmenter
 from workers.events import CaptionSegment, TranscriptDelta, Word
 
@@ -142,13 +144,34 @@ def test_end_of_utterance_with_nothing_open_publishes_nothing() -> None:
     assert segmenter().feed(delta(end_of_utterance=True)) == []
 
 
-def test_end_of_utterance_without_committed_words_clears_the_shown_partial() -> None:
+def test_a_partial_that_is_never_confirmed_is_withdrawn_not_finalised_empty() -> None:
     seg = segmenter(next_segment_id=5)
-    partial = seg.feed(delta(tentative="Hmm"))
-    cleared = seg.feed(delta(end_of_utterance=True))
-    assert [(s.segment_id, s.is_final, s.text, s.lines) for s in cleared] == [(5, True, "", ())]
-    assert cleared[0].seq == partial[0].seq + 1
+    partial = seg.feed(delta(tentative="Hmm", at=3.0))
+    withdrawn = seg.feed(delta(end_of_utterance=True))
+    assert [(s.segment_id, s.withdrawn, s.is_final, s.text, s.lines) for s in withdrawn] == [
+        (5, True, False, "", ())]
+    assert withdrawn[0].seq == partial[0].seq + 1
+    # It names the audio the partial was for, not 0/0.
+    assert (withdrawn[0].audio_start_s, withdrawn[0].audio_end_s) == (
+        partial[0].audio_start_s, partial[0].audio_end_s)
     assert seg.feed(delta(end_of_utterance=True)) == []
+    # The withdrawn segment's id is closed: the next words open a new one.
+    assert [s.segment_id for s in seg.feed(delta(tentative="Next"))] == [6]
+
+
+def test_no_final_is_empty_or_untimed() -> None:
+    seg = segmenter()
+    published = feed_all(seg, [
+        *conversation(),
+        delta(tentative="and", at=9.0),
+        delta(end_of_utterance=True),  # an unconfirmed partial, then the session ends
+        TranscriptDelta(committed=(Word(" ", 10.0, 10.2),), end_of_utterance=True),
+        TranscriptDelta(committed=(Word(" Ok.", 11.0, 11.0),)),  # a zero-length stamp
+    ])
+    finals = [s for s in published if s.is_final]
+    assert finals and all(s.text and 0 < s.audio_end_s and s.audio_start_s < s.audio_end_s
+                          for s in finals)
+    assert [s.withdrawn for s in published].count(True) == 1
 
 
 def test_length_cap_closes_the_segment() -> None:
@@ -278,3 +301,15 @@ def test_stable_prefix_of_a_final_is_its_whole_text() -> None:
 def test_segments_carry_the_stream_and_language() -> None:
     for s in feed_all(segmenter(), conversation()):
         assert (s.stream, s.lang) == ("hall-a", "en")
+
+
+def test_a_withdraw_travels_as_its_own_message_type() -> None:
+    seg = segmenter()
+    seg.feed(delta(tentative="Hmm"))
+    [withdraw] = seg.feed(delta(end_of_utterance=True))
+    wire = json.loads(caption_to_json(withdraw))
+    assert wire["type"] == "withdraw" and "withdrawn" not in wire
+    assert caption_from_json(caption_to_json(withdraw)) == withdraw
+    [shown] = segmenter().feed(delta(tentative="Hmm"))
+    assert json.loads(caption_to_json(shown))["type"] == "caption"
+    assert caption_from_json(caption_to_json(shown)) == shown

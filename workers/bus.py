@@ -159,17 +159,26 @@ def done_key(stream: str, lang: str, segment_id: int) -> str:
     return f"mt:done:{stream}:{lang}:{segment_id}"
 
 
-def caption_to_json(seg: CaptionSegment) -> str:
-    data: dict[str, Any] = {"type": "caption", **asdict(seg)}
+def _caption_dict(seg: CaptionSegment) -> dict[str, Any]:
+    # A withdraw is its own message type, so a client that knows only "caption" ignores
+    # it instead of showing an empty caption; captions keep their fields as they were.
+    data: dict[str, Any] = {"type": "withdraw" if seg.withdrawn else "caption", **asdict(seg)}
+    data.pop("withdrawn")
     data["lines"] = list(seg.lines)
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return data
+
+
+def caption_to_json(seg: CaptionSegment) -> str:
+    return json.dumps(_caption_dict(seg), ensure_ascii=False, separators=(",", ":"))
 
 
 def caption_from_json(raw: str | bytes) -> CaptionSegment:
+    """A caption or a withdraw publication (`CaptionSegment.withdrawn`)."""
     data = json.loads(raw)
-    data.pop("type", None)
+    kind = data.pop("type", None)
+    data.pop("withdrawn", None)
     data["lines"] = tuple(data["lines"])
-    return CaptionSegment(**data)
+    return CaptionSegment(**data, withdrawn=kind == "withdraw")
 
 
 def job_to_json(job: TranslationJob) -> str:
@@ -391,9 +400,8 @@ class RedisBus:
         because the segment's final translation is already out, or -1 for an epoch
         mismatch (Redis was emptied; see `orchestrator.epoch`).
         """
-        data: dict[str, Any] = {"type": "caption", **asdict(seg)}
+        data = _caption_dict(seg)
         data.pop("seq")
-        data["lines"] = list(seg.lines)
         tail = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
         seq = await self.redis.eval(
             _PUBLISH_TRANSLATION, 3, captions_key(seg.stream, seg.lang),

@@ -116,6 +116,12 @@ class CaptionSegment:
     source_lang: str | None = None
     """Set on translations: the language of the caption this one translates. A
     translation carries the `segment_id` of its source segment and its own `seq`."""
+    withdrawn: bool = False
+    """A withdraw, not a caption: the interim shown for `segment_id` could not be made
+    final (its session was replaced, failed or ended before the words were confirmed)
+    and is taken off screen. It has no text, is not final, and closes the segment (no
+    publication follows for that id). On the wire its `type` is "withdraw". A final
+    always has text and audio times; an empty final is never published."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,12 @@ engine's tentative words are shown after them (a partial). The segment closes
 at the end of an utterance (a pause), or at a length cap. `seq` grows by one
 with every publication on (stream, lang); `revision` counts publications of
 one segment.
+
+A final always has text and audio times inside the stream. An utterance that ends
+with a partial on screen but no committed word (the session was replaced, failed or
+ended before confirming it) is *withdrawn* (`CaptionSegment.withdrawn`): an empty
+final with times 0/0 once overwrote visible text on overlays and read as a caption
+with no audio to every consumer of finals (archive, translation, cursors).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Segmenter:
         self._tentative: list[Word] = []
         self._revision = 0
         self._last_text: str | None = None
+        self._last_span = (0.0, 0.0)  # audio times of the latest partial
 
     def resume(self, open_seg: CaptionSegment) -> None:
         """Go on with a caption a previous owner of the stream left open: its audio is
@@ -66,6 +73,7 @@ class Segmenter:
         self.segment_id = open_seg.segment_id
         self._revision = open_seg.revision
         self._last_text = open_seg.text
+        self._last_span = (open_seg.audio_start_s, open_seg.audio_end_s)
 
     def close(self, open_seg: CaptionSegment) -> CaptionSegment:
         """Close, as it was shown, a caption a previous owner left open and whose audio
@@ -88,24 +96,49 @@ class Segmenter:
         self._tentative = list(delta.tentative)
         if delta.end_of_utterance:
             self._tentative = []
-            if self._stable:
+            if join_words(self._stable):
                 out.append(self._publish(final=True))
             elif self._last_text:
                 # A partial was shown but the utterance produced no committed word:
-                # close it empty so no stale text stays on screen.
-                out.append(self._publish(final=True))
+                # take it off screen explicitly, so no stale text stays there.
+                out.append(self._withdraw())
+            else:
+                self._stable = []  # only blank words: nothing to show or close
         elif self._stable or self._tentative:
             text = join_words(self._stable + self._tentative)
             if text and text != self._last_text:
                 out.append(self._publish(final=False))
         return out
 
+    def _withdraw(self) -> CaptionSegment:
+        """The open partial, taken back: no text, the partial's audio times, and the
+        segment closed (its id is not published again)."""
+        self._revision += 1
+        start_s, end_s = self._last_span
+        seg = CaptionSegment(
+            stream=self.stream, lang=self.lang, segment_id=self.segment_id,
+            seq=self.next_seq, revision=self._revision, is_final=False, text="",
+            stable_prefix_len=0, lines=(), audio_start_s=start_s, audio_end_s=end_s,
+            audio_end_wall=self._wall_of(end_s) if end_s else self._clock(),
+            emit_time=self._clock(), withdrawn=True,
+        )
+        self.next_seq += 1
+        self.segment_id += 1
+        self._stable = []
+        self._revision = 0
+        self._last_text = None
+        self._last_span = (0.0, 0.0)
+        return seg
+
     def _publish(self, *, final: bool) -> CaptionSegment:
         words = self._stable + ([] if final else self._tentative)
+        assert words, "a caption has words: a partial with none is withdrawn instead"
         stable_text = join_words(self._stable)
         text = join_words(words)
         self._revision += 1
-        end_s = words[-1].end_s if words else 0.0
+        # A word has a duration; a stamp of none (an engine's rounding) is widened to
+        # 10 ms, so every caption spans audio inside the stream.
+        end_s = max(words[-1].end_s, words[0].start_s + 0.01)
         seg = CaptionSegment(
             stream=self.stream,
             lang=self.lang,
@@ -116,9 +149,9 @@ class Segmenter:
             text=text,
             stable_prefix_len=len(stable_text) if not final else len(text),
             lines=break_lines(text, self.profile, self.lang),
-            audio_start_s=words[0].start_s if words else 0.0,
+            audio_start_s=words[0].start_s,
             audio_end_s=end_s,
-            audio_end_wall=self._wall_of(end_s) if words else self._clock(),
+            audio_end_wall=self._wall_of(end_s),
             emit_time=self._clock(),
         )
         self.next_seq += 1
@@ -127,6 +160,8 @@ class Segmenter:
             self._stable = []
             self._revision = 0
             self._last_text = None
+            self._last_span = (0.0, 0.0)
         else:
             self._last_text = text
+            self._last_span = (seg.audio_start_s, end_s)
         return seg

@@ -241,6 +241,7 @@
       try { msg = JSON.parse(ev.data); } catch (e) { return; }
       if (msg.type === "error") self.onError(msg);
       else if (msg.type === "caption") self.onCaption(msg);
+      else if (msg.type === "withdraw") self.onWithdraw(msg);
     };
     ws.onclose = function () {
       if (self.ws !== ws) return;
@@ -292,6 +293,21 @@
     }
     this.save();
     this.armHide();
+  };
+
+  // An interim the engine never confirmed (its session was replaced or ended): it leaves
+  // the screen, and its segment id is closed like a final's, so nothing brings it back.
+  Track.prototype.onWithdraw = function (msg) {
+    if (typeof msg.seq !== "number" || msg.seq <= this.lastSeq) return; // seen already
+    this.lastSeq = msg.seq;
+    this.lastMsgAt = Date.now();
+    this.liveEdge = false;
+    if (!this.finalIds.has(msg.segment_id)) {
+      this.segments = this.segments.filter(function (s) { return s.id !== msg.segment_id; });
+      this.rememberFinal(msg.segment_id);
+    }
+    this.render();
+    this.save();
   };
 
   Track.prototype.onDisconnect = function () {
