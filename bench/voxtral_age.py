@@ -54,13 +54,34 @@ def lead_frames(align: int = ALIGN) -> int:
     return (-FIRST_POSITIONS) % align
 
 
-def ageing_outputs(steps: int, align: int = ALIGN) -> int:
+def ageing_outputs(steps: int, align: int = ALIGN, tail: int = 0) -> int:
     """Outputs an ageing session has given once aged: the first prompt's, the lead's
-    one-frame steps and the bulk steps."""
-    return 1 + (lead_frames(align) + steps if steps else 0)
+    one-frame steps, the bulk steps and the tail step (if any)."""
+    return 1 + (lead_frames(align) + steps + (1 if tail else 0) if steps or tail else 0)
 
 
-def ageing_frames(steps: int, bulk: int, align: int = ALIGN) -> int:
+def stagger_tail(index: int, total: int, every: int, align: int = ALIGN) -> int:
+    """Frames of session `index`'s (of `total`) tail step: its share of one re-anchor
+    cycle (`every` positions), on the `align` unit, so `total` sessions aged alike but for
+    their tails sit evenly over the cycle (32 places for 4096 positions) and re-anchor at
+    evenly spread moments of a measured phase instead of in lockstep (issue 34)."""
+    if total <= 0 or every < align:
+        return 0
+    places = every // align
+    return ((index % total) * places // total) * align
+
+
+def step_frames(k: int, lead: int, bulk: int, bulk_steps: int, tail: int = 0) -> int:
+    """Frames of an ageing session's step `k` after its first prompt (k = 1, 2, …): the
+    lead's one-frame steps, `bulk_steps` of `bulk`, one of `tail` (if any), then one."""
+    if lead < k <= lead + bulk_steps:
+        return bulk
+    if tail and k == lead + bulk_steps + 1:
+        return tail
+    return 1
+
+
+def ageing_frames(steps: int, bulk: int, align: int = ALIGN, tail: int = 0) -> int:
     """Audio frames an ageing session is given before its live audio: its first prompt
     with the look-ahead (8), the lead's one-frame steps, its bulk steps, and
     `SETTLE_FRAMES` one-frame steps.
@@ -71,7 +92,8 @@ def ageing_frames(steps: int, bulk: int, align: int = ALIGN) -> int:
     holding its last bulk step's encoder blocks (59 fp8 blocks where a session fed in real
     time holds 13), and 80 sessions on two engines filled one engine's cache while ageing
     (H200, 2026-12-01), a bound no production session meets."""
-    return 8 + (lead_frames(align) if steps else 0) + steps * bulk + SETTLE_FRAMES
+    return 8 + (lead_frames(align) if steps or tail else 0) + steps * bulk + tail \
+        + SETTLE_FRAMES
 
 
 class BulkPlace:
@@ -86,7 +108,7 @@ class BulkPlace:
 
     def __init__(self, gate: asyncio.Semaphore | None, bulk_steps: int, lead: int = 0) -> None:
         self.gate = gate if bulk_steps else None
-        self.bulk_steps = bulk_steps
+        self.bulk_steps = bulk_steps  # the tail step, if any, counts as one more
         self.lead = lead
         self.holding = False
 
@@ -111,7 +133,8 @@ class BulkPlace:
 async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
                        direct: bool = False, gate: asyncio.Semaphore | None = None,
-                       align: int = ALIGN) -> AsyncIterator[Any]:
+                       align: int = ALIGN, tail: int = 0,
+                       own_tokens: bool = False) -> AsyncIterator[Any]:
     """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that after the first
     prompt and `lead_frames(align)` one-frame steps, `bulk_steps` steps take `bulk` frames
     at once (`bulk` a multiple of `align`, so each bulk step starts on it). With `direct`,
@@ -121,7 +144,13 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     `gate` bounds how many sessions are in their bulk steps at once: a bulk step holds the
     KV cache of `bulk` audio frames until it is computed (the encoder's ~4.5 x its window),
     and with every session ageing at once that filled an engine's cache and stalled it
-    (48 sessions on two bf16 engines, H200), which no session fed in real time meets."""
+    (48 sessions on two bf16 engines, H200), which no session fed in real time meets.
+
+    `tail` (a multiple of `align`, below `bulk`): one more step of that many frames after
+    the bulk ones, so sessions of one phase can be aged unlike each other
+    (`stagger_tail`). `own_tokens`: each step is given the model's own last output token,
+    as vLLM's realtime buffer does, where blank tokens were fed before; a bulk step's other
+    positions, whose outputs no step computed, get blanks."""
     from vllm.engine.protocol import StreamingInput
     from vllm.model_executor.models.voxtral_realtime import VoxtralRealtimeBuffer
     from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -129,7 +158,10 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
 
     if bulk_steps and bulk % align:
         raise ValueError(f"bulk {bulk} is not a multiple of the alignment {align}")
-    lead = lead_frames(align) if bulk_steps else 0
+    if tail % align or tail < 0:
+        raise ValueError(f"tail {tail} is not a multiple of the alignment {align}")
+    lead = lead_frames(align) if bulk_steps or tail else 0
+    sized = bulk_steps + (1 if tail else 0)  # steps larger than one frame
     llm = backend.llm
     model_config = llm.model_config
     tokenizer = cached_tokenizer_from_config(model_config)
@@ -148,7 +180,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                 yield frame_end - frame_start, (end - start) // step
                 k += 1
                 start = end
-                end += step * (bulk if lead < k <= lead + bulk_steps else 1)
+                end += step * step_frames(k, lead, bulk, bulk_steps, tail)
 
     buffer = Aged(config, prompt_tokens)
     build: Any = None
@@ -165,17 +197,19 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             await buffer.append_audio(chunk)
         await buffer.append_audio(None)
 
-    place = BulkPlace(gate, bulk_steps, lead)
+    place = BulkPlace(gate, sized, lead)
 
     async def feed_tokens() -> None:
         n = 0
         while True:
-            await tokens.get()
+            out = await tokens.get()
             n += 1
             place.on_output(n)
-            # Before a bulk step the buffer needs `bulk` tokens: blanks, as silence gives.
-            await buffer.append_tokens([BLANK] * (bulk if lead < n <= lead + bulk_steps
-                                                  else 1))
+            # Before a step of b frames the buffer needs b tokens: the model's own last
+            # (own_tokens) and blanks, as silence gives, for positions no step decoded.
+            b = step_frames(n, lead, bulk, bulk_steps, tail)
+            own = out[-1:] if own_tokens and out else [BLANK]
+            await buffer.append_tokens([*own, *[BLANK] * (b - 1)])
 
     tasks = [asyncio.create_task(feed_audio()), asyncio.create_task(feed_tokens())]
     step = 0

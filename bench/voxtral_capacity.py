@@ -266,6 +266,9 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                  gpu_profile: Callable[[], Awaitable[str | None]] | None = None,
                  segments: list[Callable[[], Awaitable[Any]]] | None = None,
                  sync: Callable[[], Awaitable[None]] | None = None,
+                 controls: int = 0, control_speed: float = 0.97,
+                 counters: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 warm_s: float = WARM_S, deadline: float | None = None,
                  ) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
@@ -280,8 +283,21 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     each, its callable runs (it switches the engine-core levers and returns what they
     said), and each window reports its own frames per second, CPU and clock (`segments`
     in the result). `sync()` is awaited after `before()` and before the clock starts (the
-    front ends of one GPU start their windows together)."""
-    handles = [await start(first + i) for i in range(n)]
+    front ends of one GPU start their windows together).
+
+    Strict figures (bench/capacity/rule.py): every `rule.SAMPLE_S` each session's backlog
+    is sampled (audio a real-time sender had sent minus audio decoded, from the feed's
+    start), and each session gets its keep-up verdict over the measured window
+    (`sessions`). `controls` more sessions are negative controls: fed at `control_speed`
+    of real time while their real-time sender's audio keeps arriving, so they decode that
+    share of real time on purpose and the rule must fail them (`controls`). `counters()`,
+    awaited at the window's start and end, gives the engine's re-anchoring counters; the
+    result has their difference (`reanchors_in_phase`). `deadline` (wall clock,
+    time.time()): the feed, planned after ageing, ends by then however long ageing took
+    (a device call has a hard limit); the result says what was planned and what ran."""
+    from bench.capacity import rule
+
+    handles = [await start(first + i) for i in range(n + controls)]
     t_age = time.monotonic()
     if before is not None:
         try:
@@ -290,13 +306,17 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             await asyncio.gather(*(h[2]() for h in handles), return_exceptions=True)
             raise
     aged_in_s = time.monotonic() - t_age
+    planned_s = seconds
+    if deadline is not None:
+        seconds = max(warm_s + 5.0, min(seconds, deadline - time.time()))
     if sync is not None:
         await sync()
     at_t0 = [h[1]() for h in handles]
     t0 = time.monotonic()
+    samples: list[tuple[float, list[int], list[int]]] = []
     window_s = seconds
     if segments:  # warm-up, the windows, and slack for the switches between them
-        seconds = WARM_S + len(segments) * (window_s + SWITCH_SLACK_S)
+        seconds = warm_s + len(segments) * (window_s + SWITCH_SLACK_S)
     frames = int(seconds / 0.08)
     marks: dict[str, Any] = {}
     windows: list[dict[str, Any]] = []
@@ -318,12 +338,32 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                 "engine_core_us_per_chunk": (kids_after[0] - kids[0]) / chunks * 1e6,
                 "helpers_us_per_chunk": (kids_after[1] - kids[1]) / chunks * 1e6})
 
-    fed = [0] * n
+    fed = [0] * (n + controls)
     windows_done = asyncio.Event()
+    feeding = asyncio.Event()
+
+    def arrived() -> list[int]:
+        """Frames a real-time sender had sent by now: a control's sender too, though the
+        control hands them to its engine session more slowly."""
+        on_clock = min(frames, int((time.monotonic() - t0) / 0.08))
+        return fed[:n] + [on_clock] * controls
+
+    async def sample() -> None:
+        while not feeding.is_set():
+            samples.append((time.monotonic(), arrived(), [h[1]() for h in handles]))
+            await asyncio.sleep(rule.SAMPLE_S)
 
     async def pace(i: int) -> None:
         push = handles[i][0]
         offset = ((first + i) * 7919 * FRAME) % (audio.size - FRAME)
+        if i >= n:  # a negative control: decodes `control_speed` of real time at most
+            for k in range(int(frames * control_speed)):
+                await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 / control_speed
+                                        - time.monotonic()))
+                j = (offset + k * FRAME) % (audio.size - FRAME)
+                push(audio[j : j + FRAME])
+                fed[i] = k + 1
+            return
         k = 0
         # With windows, the feed lasts until the last one ends, however long the switches
         # between them took: a window that outlived the feed would read sessions that ran
@@ -337,23 +377,31 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             fed[i] = k
 
     async def mark() -> None:
-        await asyncio.sleep(WARM_S)
+        await asyncio.sleep(warm_s)
+        if counters is not None:
+            marks["counters"] = await counters()
         marks["counts"] = [h[1]() for h in handles]
         marks["cpu"] = time.process_time()
         marks["children"] = _children_cpu_s()
         marks["t"] = time.monotonic()
         if profile is not None:
-            marks["spy"] = _py_spy(os.getpid(), Path(profile), seconds - WARM_S - 0.5)
+            marks["spy"] = _py_spy(os.getpid(), Path(profile), seconds - warm_s - 0.5)
         if gpu_profile is not None:  # the window's last seconds: the trace is written after
             marks["gpu"] = asyncio.create_task(_after(
-                max(0.0, seconds - WARM_S - GPU_PROFILE_S - 0.5), gpu_profile))
+                max(0.0, seconds - warm_s - GPU_PROFILE_S - 0.5), gpu_profile))
         if segments:
             try:
                 await measure_segments()
             finally:
                 windows_done.set()
 
-    await asyncio.gather(*(pace(i) for i in range(n)), mark())
+    sampler = asyncio.create_task(sample())
+    await asyncio.gather(*(pace(i) for i in range(n + controls)), mark())
+    samples.append((time.monotonic(), arrived(), [h[1]() for h in handles]))
+    feeding.set()
+    await sampler
+    counted = (_counter_diff(marks["counters"], await counters())
+               if counters is not None and "counters" in marks else None)
     elapsed = time.monotonic() - marks["t"]
     cpu = time.process_time() - marks["cpu"]
     children = [b - a for a, b in zip(marks["children"], _children_cpu_s(), strict=True)]
@@ -363,11 +411,24 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     if marks.get("spy") is not None:
         await asyncio.to_thread(marks["spy"].wait, 60)
     chunks = max(1, round(n * elapsed / 0.08))
-    fps = [(f - w) / elapsed for f, w in zip(final, marks["counts"], strict=True)]
+    fps = [(f - w) / elapsed for f, w in zip(final[:n], marks["counts"][:n], strict=True)]
+    window = [x for x in samples if x[0] >= marks["t"]]
+    verdicts = []
+    for i in range(n + controls):
+        backlog = [(a[i] - (o[i] - at_t0[i])) * 0.08 for _, a, o in window]
+        verdicts.append({"session": first + i, **rule.session_verdict(
+            [t - marks["t"] for t, _, _ in window], backlog,
+            decoded_frames=window[-1][2][i] - window[0][2][i])})
     return {
         "fps": fps,
+        "sessions": verdicts[:n],
+        "controls": [{**v, "speed": control_speed} for v in verdicts[n:]],
+        "window_s": round(elapsed, 2), "seconds_planned": planned_s,
+        "seconds_fed": round(seconds, 1),
+        **({"reanchors_in_phase": counted} if counted is not None else {}),
         # audio fed in the phase minus audio decoded in it
-        "backlog_s": [(k - (f - s0)) * 0.08 for k, f, s0 in zip(fed, final, at_t0, strict=True)],
+        "backlog_s": [(k - (f - s0)) * 0.08
+                      for k, f, s0 in zip(fed[:n], final[:n], at_t0[:n], strict=True)],
         "fed_past_plan_s": round((max(fed, default=0) - frames) * 0.08, 2),
         "front_end_us_per_chunk": cpu / chunks * 1e6,
         "engine_core_us_per_chunk": children[0] / chunks * 1e6,
@@ -376,6 +437,22 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         **({"gpu_trace": gpu_trace} if gpu_trace else {}),
         **({"segments": windows} if segments else {}),
     }
+
+
+def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the engine's re-anchoring counters (worker.babelcast_reanchor_stats) did in a
+    window: re-anchors, deferred ones (summed over reasons), failed rotations, ended
+    requests, and how many requests re-anchored at least once (their shift moved)."""
+    if not before or not after:
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("reanchors", "rotation_failed", "requests_ended", "preempted_ended"):
+        out[key] = int(after.get(key, 0)) - int(before.get(key, 0))
+    out["deferred"] = (sum(int(v) for v in (after.get("deferred") or {}).values())
+                       - sum(int(v) for v in (before.get("deferred") or {}).values()))
+    b, a = before.get("shift_by_request") or {}, after.get("shift_by_request") or {}
+    out["requests_reanchored"] = sum(1 for rid, v in a.items() if b.get(rid) != v)
+    return out
 
 
 async def _after(delay_s: float, then: Callable[[], Awaitable[str | None]]) -> str | None:
@@ -592,26 +669,33 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
     async def theirs(i: int) -> Handle:
         audio_q: asyncio.Queue[np.ndarray | None] = asyncio.Queue()
-        tokens: asyncio.Queue[list[int]] = asyncio.Queue()
         count = [0]
-        rid = f"base-{i}-{uuid.uuid4().hex[:8]}"
+        rid = [""]
+        closing = [False]
 
         async def audio_gen() -> AsyncIterator[np.ndarray]:
             while (a := await audio_q.get()) is not None:
                 yield a
 
         async def run() -> None:
-            gen = llm.generate(prompt=serving.transcribe_realtime(audio_gen(), tokens),
-                               sampling_params=backend.sampling, request_id=rid)
-            async for out in gen:
-                if out.outputs:
-                    count[0] += 1
-                    tokens.put_nowait(list(out.outputs[0].token_ids))
+            # A stock session ends at max_model_len; its client must open a new one on
+            # the same audio (vLLM's server has no rollover of its own): so does this one.
+            while not closing[0]:
+                rid[0] = f"base-{i}-{uuid.uuid4().hex[:8]}"
+                tokens: asyncio.Queue[list[int]] = asyncio.Queue()
+                gen = llm.generate(prompt=serving.transcribe_realtime(audio_gen(), tokens),
+                                   sampling_params=backend.sampling, request_id=rid[0])
+                async for out in gen:
+                    if out.outputs:
+                        count[0] += 1
+                        tokens.put_nowait(list(out.outputs[0].token_ids))
+                stock_rollovers[0] += 1
 
         task = asyncio.create_task(run())
 
         async def close() -> None:
-            await llm.abort(rid)
+            closing[0] = True
+            await llm.abort(rid[0])
             task.cancel()
 
         def push(frame: np.ndarray) -> None:
@@ -620,8 +704,12 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
         return push, (lambda: count[0]), close
 
+    stock_rollovers = [0]
     opened = track_sessions(engine)
     vad_box: list[Any] = []
+
+    async def reanchor_counters() -> dict[str, Any]:
+        return dict(await backend.reanchor_stats() or {})
 
     async def production(i: int) -> Handle:
         return await open_production(engine, vad_box[0], opened, i)
@@ -663,6 +751,8 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         if cmd["op"] == "stop":
             break
         path, n, seconds, first = cmd["path"], cmd["n"], cmd["seconds"], cmd["first"]
+        controls = int(cmd.get("controls") or 0)
+        tails_given: list[int] = []
         feed, age_frames = cmd.get("feed", "plain"), int(cmd.get("age_frames", 0))
         age_concurrency = int(cmd.get("age_concurrency", AGE_CONCURRENCY))
         direct = path == "direct"
@@ -702,18 +792,32 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             if not age_gate:
                 age_gate.append(asyncio.Semaphore(age_concurrency))
             steps = age_frames // AGE_BULK
-            from bench.voxtral_age import aged_prompts, ageing_frames, ageing_outputs
+            from bench.voxtral_age import (
+                ALIGN,
+                aged_prompts,
+                ageing_frames,
+                ageing_outputs,
+                stagger_tail,
+            )
 
             sessions_aged = itertools.count()
+            # Staggered (issue 34): session k of the whole phase (all front ends) takes
+            # one more step of its share of a re-anchor cycle, so re-anchors spread over
+            # the measured window; own tokens: the model's last output fed back.
+            stagger = cmd.get("stagger") or {}
+            own_tokens = bool(cmd.get("own_tokens"))
 
             def ageing(live: AsyncIterator[np.ndarray], tokens: asyncio.Queue[list[int]],
                        direct: bool, steps: int = steps,
                        count: Iterator[int] = sessions_aged) -> AsyncIterator[Any]:
                 k = next(count)  # sessions start at different places in the speech
+                tail = (stagger_tail(first + k, int(stagger["total"]), int(stagger["every"]))
+                        if stagger else 0)
+                tails_given.append(tail)
                 frames = ageing_audio(audio, (k * 7919 * FRAME) % audio.size,
-                                      ageing_frames(steps, AGE_BULK))
+                                      ageing_frames(steps, AGE_BULK, tail=tail))
                 return aged_prompts(backend, prefixed(frames, live), tokens, AGE_BULK, steps,
-                                    direct, age_gate[0])
+                                    direct, age_gate[0], tail=tail, own_tokens=own_tokens)
 
             ageing_wrapper = AgeingBackend(backend, ageing)
             engine._backend = ageing_wrapper
@@ -722,9 +826,11 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             async def starter(i: int) -> Handle:
                 return await production(i)
 
-            async def before(n: int = n, steps: int = steps,
-                             wrapper: AgeingBackend = ageing_wrapper) -> None:
-                await until_first_sessions_aged(opened, n, ageing_outputs(steps))
+            async def before(n: int = n + controls, steps: int = steps,
+                             wrapper: AgeingBackend = ageing_wrapper,
+                             tail: int = ALIGN if stagger else 0) -> None:
+                # a session without a tail step passes this on its settle steps
+                await until_first_sessions_aged(opened, n, ageing_outputs(steps, tail=tail))
                 wrapper.open = False
         elif feed == "aged":
             aged_sessions.clear()
@@ -751,7 +857,16 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             result = await _phase(n, seconds, audio, starter, first, before,
                                   cmd.get("profile"), gpu_profile if profiled else None,
                                   segments=segments or None,
-                                  sync=sync if cmd.get("sync") else None)
+                                  sync=sync if cmd.get("sync") else None,
+                                  controls=controls,
+                                  control_speed=float(cmd.get("control_speed") or 0.97),
+                                  counters=reanchor_counters if cmd.get("strict") else None,
+                                  warm_s=float(cmd.get("warm_s") or WARM_S),
+                                  deadline=cmd.get("deadline"))
+            if tails_given:
+                result["age_tails_frames"] = tails_given
+            if path == "stock":
+                result["stock_rollovers"] = stock_rollovers[0]
             result["feed"] = "plain" if path == "stock" else feed
             result["melspec"] = bool(melspec.get("on"))
             result["token_writes"] = bool(tokens.get("on"))
@@ -910,13 +1025,16 @@ class FrontEnd:
                     tokens: bool = False, trim: bool | str = False,
                     segments: list[dict[str, Any]] | None = None,
                     barrier: asyncio.Barrier | None = None, pin: bool = False,
-                    pin_at: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+                    pin_at: tuple[int, int] = (0, 1), **strict: Any) -> dict[str, Any]:
+        """One phase on this front end. `strict` (bench.capacity.strict): `strict`,
+        `controls`, `control_speed`, `stagger` ({"total", "every"}), `own_tokens`,
+        `warm_s`."""
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
                         "melspec": melspec, "tokens": tokens, "trim": trim,
                         "pin": pin, "pin_at": list(pin_at),
-                        "segments": segments, "sync": barrier is not None})
+                        "segments": segments, "sync": barrier is not None, **strict})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if barrier is not None and "ready" in result:  # aged: start the windows together
             with contextlib.suppress(asyncio.BrokenBarrierError):

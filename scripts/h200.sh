@@ -8,6 +8,7 @@
 #   bash .stage/extra/run_gpu.sh exact              # re-anchoring exact on logits, bf16 + fp8,
 #                                                   # negative controls, 8 hours (reanchor_exact.json)
 #   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
+#   CONFIG=… N=… EXTRA=… TAG=… bash .stage/extra/run_gpu.sh strict   # bench.capacity.strict
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
 #   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
@@ -83,6 +84,14 @@ capacity)
     --ladder ${LADDER:-64 96 128 160} --configs ${CONFIGS:-stock project project-x2} \
     --seconds "${SECONDS_:-12}" --rounds "${ROUNDS:-2}" ${EXTRA:-} --json > "$OUT/capacity.json" 2> "$OUT/capacity.log"; echo rc=$?
   head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
+  ;;
+strict)  # bench.capacity.strict: one level of one configuration, the keep-up rule (issue 34)
+  # CONFIG=project-direct-x3+melspec+tokens+keys N=110 EXTRA="--production --age-min 12"
+  timeout ${LIMIT:-585} python3 -m bench.capacity.strict --model /tmp/voxtral --config "$CONFIG" \
+    --streams "$N" --deadline-s "${DEADLINE:-540}" ${EXTRA:-} --out "$OUT/${TAG:-strict}.json" \
+    > /dev/null 2> "$OUT/${TAG:-strict}.log"; echo rc=$?
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('sessions','front_ends')]; print(json.dumps(d)[:6000])" "$OUT/${TAG:-strict}.json"
+  grep -E "Error|Traceback|engines_started" "$OUT/${TAG:-strict}.log" | tail -8; tail -c 1500 "$OUT/${TAG:-strict}.log"
   ;;
 gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the router
   timeout ${LIMIT:-575} python3 -m bench.voxtral_gpus --model /tmp/voxtral --gpus "${GPUS:-2}" \

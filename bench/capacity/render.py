@@ -1,0 +1,103 @@
+"""The capacity tables in README.md and docs/benchmarks.md, rendered from the kept results
+(bench/results/capacity_h200/*.json, made by bench.capacity.strict on the H200).
+
+    python -m bench.capacity.render            # rewrite the tables between the markers
+    python -m bench.capacity.render --check    # exit 1 if a table and its files disagree
+
+Nothing in a table is typed by hand: each row is one results file, and links to it.
+tests/test_capacity_tables.py fails when a table and its files disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.capacity import results  # noqa: E402
+
+FOLDER = ROOT / "bench" / "results" / "capacity_h200"
+START = "<!-- capacity-table:start (bench/capacity/render.py writes this; do not edit) -->"
+END = "<!-- capacity-table:end -->"
+TARGETS = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
+
+HEADER = ("| run (file) | configuration | sessions | aged | phase | keep up (rule) "
+          "| frames/s p50 (min) | backlog p99 max | growth max | re-anchors in phase "
+          "| control at 97 % | GPU |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _f(x: Any, fmt: str = "{}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def row(path: Path, data: dict[str, Any], relative_to: Path) -> str:
+    v = data["verdict"]
+    link = Path(os.path.relpath(path, relative_to))
+    phase = f"{v['phase_s']:.0f} s" + ("" if v["phase_long_enough"] else " (short)")
+    keep = f"{v['keep_up']}/{v['sessions']}" + (" **pass**" if v["passes"] else " fail")
+    aged = ("new" if data.get("stock") or not data.get("age_min")
+            else f"{data['age_min']:g} min, staggered" if data.get("stagger")
+            else f"{data['age_min']:g} min")
+    re = data.get("reanchors_in_phase") or {}
+    reanchors = (f"{re.get('reanchors', 0)} ({re.get('requests_reanchored', 0)} sessions)"
+                 if re else "—")
+    control = ("none" if not v["controls"] else
+               f"{v['controls_caught']}/{v['controls']} caught"
+               + ("" if v["instrument_ok"] else " **instrument failed**"))
+    return (f"| {data['date'][:10]} ([{path.name}]({link.as_posix()})) | `{data['config']}` "
+            f"| {data['streams']} | {aged} | {phase} | {keep} "
+            f"| {_f(v['frames_per_s_p50'])} ({_f(v['frames_per_s_min'])}) "
+            f"| {_f(v['backlog_p99_s_max'], '{:.2f} s')} "
+            f"| {_f(v['backlog_growth_s_max'], '{:.2f} s')} | {reanchors} | {control} "
+            f"| {_f(data.get('gpu_util_p50'), '{:g} %')} |")
+
+
+def table(relative_to: Path, folder: Path = FOLDER) -> str:
+    rows = [row(p, d, relative_to) for p, d in results.load(folder, "capacity_strict")]
+    if not rows:
+        return HEADER + "\n| (no strict runs kept yet) |||||||||||| "
+    return HEADER + "\n" + "\n".join(rows)
+
+
+def rendered(text: str, relative_to: Path, folder: Path = FOLDER) -> str:
+    """`text` with its table between the markers replaced by the one from `folder`."""
+    if START not in text or END not in text:
+        raise ValueError("no capacity-table markers")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table(relative_to, folder)}\n{END}{tail}"
+
+
+def check(folder: Path = FOLDER, targets: tuple[Path, ...] = TARGETS) -> list[str]:
+    """The files whose table differs from what `folder` renders."""
+    wrong = []
+    for target in targets:
+        text = target.read_text()
+        if rendered(text, target.parent, folder) != text:
+            wrong.append(str(target.relative_to(ROOT)))
+    return wrong
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args()
+    if a.check:
+        wrong = check()
+        for w in wrong:
+            print(f"{w}: its capacity table differs from bench/results/capacity_h200 "
+                  "(run python -m bench.capacity.render)", file=sys.stderr)
+        return 1 if wrong else 0
+    for target in TARGETS:
+        target.write_text(rendered(target.read_text(), target.parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""One level of one configuration on one GPU, judged by the keep-up rule (issue 34).
+
+    python -m bench.capacity.strict --model DIR --config project-direct-x3+melspec+tokens+keys \\
+        --streams 110 --seconds 300 --age-min 12 --production --kv-cache-dtype fp8 \\
+        --gpu-memory-utilization 0.9 --load-format babelcast_scaled --out FILE
+    python -m bench.capacity.strict --model DIR --config stock-x3 --streams 74 ...
+
+A device call is at most 10 minutes, ageing and engine starts included, so one call
+measures one level: the knee is read across calls (bench/capacity/rule.py `knee`, the
+tables in bench/capacity/render.py).
+
+What it does:
+- starts the configuration's engines, one process each (bench.voxtral_capacity's front
+  ends), each with `--gpu-memory-utilization / engines` of the GPU: `project…-xN` runs
+  the project's engine (re-anchoring plugin, the levers its name lists); `stock-xN` runs
+  vLLM as its own realtime server path does (`transcribe_realtime`, no plugin, no
+  direct input, no levers, rolled over by the client at max_model_len), N engines with
+  the same memory share as the project configuration it is compared with;
+- project sessions are aged `--age-min` minutes through bulk steps (bench.voxtral_age),
+  each with one more step of its share of a re-anchor cycle (`--stagger-every`, the
+  engine's `reanchor_every`), so their ages spread evenly over the cycle and re-anchors
+  happen throughout the measured phase (counted: `reanchors_in_phase`), and the model's
+  own last token fed back at every step; stock sessions start new (its best case: the
+  shortest KV and token history);
+- adds `--controls` negative-control sessions fed at `--control-speed` of real time
+  (on the first engine, beyond `--streams`): the rule must fail them, or the run says
+  `instrument_ok: false`;
+- feeds every session 80 ms of speech every 80 ms for `--warm` + `--seconds`, the phase
+  cut short only to end by `--deadline-s` after start (then `phase_long_enough` is false
+  and the level does not pass);
+- judges each session by the rule and writes the stamped JSON (results.py) to `--out`
+  and stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from bench.capacity import results, rule  # noqa: E402
+
+KIND = "capacity_strict"
+
+
+def is_stock(config: str) -> bool:
+    from bench.voxtral_capacity import base_of
+
+    return base_of(config).split("-x")[0] == "stock"
+
+
+def shares(n: int, engines: int) -> list[int]:
+    return [n // engines + (1 if i < n % engines else 0) for i in range(engines)]
+
+
+def engine_options(args: argparse.Namespace, engines: int, streams: int) -> Any:
+    from workers.engines.vllm_options import VllmEngineOptions
+
+    stock = is_stock(args.config)
+    extra: dict[str, Any] = ({"reanchor": "off", "direct_input": "off",
+                              "sync_free_melspec": False, "incremental_token_writes": False,
+                              "window_trim": False} if stock else {})
+    return VllmEngineOptions(
+        model=args.model, max_streams=streams, max_model_len=args.max_model_len,
+        load_format=args.load_format, kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
+        kv_bound_slots=False, reanchor_every=args.stagger_every, **extra)
+
+
+def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[float],
+              stagger_every: int) -> dict[str, Any]:
+    sessions = [s for a in answers for s in a["sessions"]]
+    controls = [c for a in answers for c in a.get("controls", [])]
+    window = min(a["window_s"] for a in answers)
+    verdict = rule.phase_verdict(sessions, window, controls)
+    counted: dict[str, int] = {}
+    for a in answers:
+        for k, v in (a.get("reanchors_in_phase") or {}).items():
+            counted[k] = counted.get(k, 0) + int(v)
+    by_fe = []
+    for f, a in enumerate(answers, start=1):
+        v = rule.phase_verdict(a["sessions"], a["window_s"], a.get("controls", []))
+        by_fe.append({"front_end": f, **{k: v[k] for k in (
+            "sessions", "keep_up", "keep_up_share", "frames_per_s_p50", "frames_per_s_min",
+            "backlog_p99_s_max", "backlog_growth_s_max")},
+            "engine_core_us_per_chunk": round(a["engine_core_us_per_chunk"], 1),
+            "front_end_us_per_chunk": round(a["front_end_us_per_chunk"], 1),
+            "helpers_us_per_chunk": round(a["helpers_us_per_chunk"], 1),
+            "aged_in_s": a.get("aged_in_s"), "window_s": a["window_s"],
+            "seconds_planned": a.get("seconds_planned"), "seconds_fed": a.get("seconds_fed"),
+            "reanchors_in_phase": a.get("reanchors_in_phase"),
+            "stock_rollovers": a.get("stock_rollovers"),
+            "age_tails_frames": a.get("age_tails_frames")})
+    tails = [t for a in answers for t in a.get("age_tails_frames") or []]
+    return {
+        "config": config, "streams": n, "verdict": verdict,
+        "knee_at_this_level": rule.knee({n: verdict}),
+        "reanchors_in_phase": counted or None,
+        "stagger": ({"every": stagger_every, "tail_frames_min": min(tails),
+                     "tail_frames_max": max(tails), "distinct_places": len(set(tails))}
+                    if tails else None),
+        "gpu_util_p50": round(statistics.median(util), 1) if util else None,
+        "by_front_end": by_fe,
+        "sessions": sessions,
+        "controls": controls,
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.voxtral_capacity import (
+        FrontEnd,
+        _gpu_util,
+        engines_of,
+        host_fingerprint,
+        levers_of,
+    )
+
+    t_start = time.time()
+    deadline = t_start + args.deadline_s if args.deadline_s else None
+    config, n = args.config, args.streams
+    engines = engines_of(config)
+    stock = is_stock(config)
+    share = shares(n, engines)
+    fronts: dict[int, FrontEnd] = {}
+    started: dict[int, Any] = {}
+    age_frames = 0 if stock else int(args.age_min * 60 / 0.08) // 768 * 768
+    FrontEnd.age_concurrency = args.age_concurrency
+    levers = levers_of(config)
+    try:
+        for f in range(1, engines + 1):  # one at a time: vLLM profiles free memory
+            k = share[f - 1] + (args.controls if f == 1 else 0)
+            fronts[f] = FrontEnd(f, engine_options(args, engines, k))
+            started[f] = await fronts[f].ready()
+        print(json.dumps({"engines_started_s": round(time.time() - t_start, 1)}),
+              file=sys.stderr, flush=True)
+        feed = ("plain" if stock else
+                ("aged-production" if args.production else "aged") if age_frames else
+                ("production" if args.production else "plain"))
+        path = "stock" if stock else ("direct" if "direct" in config else "project")
+        stop = asyncio.Event()
+        util: list[float] = []
+        stamps: list[float] = []
+        util_task = asyncio.create_task(_gpu_util(stop, util, stamps))
+        firsts = [sum(share[:i]) for i in range(engines)]
+        answers = await asyncio.gather(*(
+            fronts[f].phase(path, share[f - 1], args.seconds, firsts[f - 1], feed, age_frames,
+                            melspec=levers["melspec"] and not stock,
+                            tokens=levers["tokens"] and not stock,
+                            trim=(levers["trim"] if not stock else False),
+                            strict=True, controls=args.controls if f == 1 else 0,
+                            control_speed=args.control_speed,
+                            stagger=({"total": n, "every": args.stagger_every}
+                                     if age_frames and args.stagger_every else None),
+                            own_tokens=True, warm_s=args.warm, deadline=deadline)
+            for f in range(1, engines + 1)), return_exceptions=True)
+        stop.set()
+        await util_task
+    finally:
+        for fe in fronts.values():
+            await fe.stop()
+    failed = [a for a in answers if isinstance(a, BaseException)]
+    if failed:
+        raise RuntimeError("; ".join(f"{e}" for e in failed))
+    ok = [a for a in answers if isinstance(a, dict)]
+    aged_s = max((a.get("aged_in_s") or 0.0) for a in ok)
+    t_measured = min(stamps) + aged_s + args.warm if stamps else 0.0
+    util = [u for u, t in zip(util, stamps, strict=True) if t >= t_measured] or util
+    first = next(iter(started.values()))
+    return {
+        "kind": KIND,
+        "host": host_fingerprint(),
+        "vllm_version": first.get("vllm_version"),
+        "realtime_rule": rule.RULE,
+        **summarize(config, n, ok, util, args.stagger_every if age_frames else 0),
+        "engines": engines,
+        "stock": stock,
+        "feed": "plain (vLLM's transcribe_realtime)" if stock else (
+            "aged-production" if age_frames and args.production else
+            "aged" if age_frames else "production" if args.production else "plain"),
+        "age_min": 0 if stock else args.age_min,
+        "own_tokens_fed_back": True,
+        "warm_s": args.warm, "seconds_asked": args.seconds,
+        "gpu_memory_utilization_per_engine": round(args.gpu_memory_utilization / engines, 3),
+        "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
+        "load_format": args.load_format,
+        "levers": {} if stock else levers,
+        "front_ends": {f: {k: v for k, v in s.items() if k != "ready"}
+                       for f, s in started.items()},
+        "wall_s": round(time.time() - t_start, 1),
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from bench.voxtral_capacity import CONFIGS
+
+    stock_xn = [f"stock-x{k}" for k in (2, 3, 4)]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--config", required=True, choices=[*CONFIGS, *stock_xn])
+    ap.add_argument("--streams", type=int, required=True)
+    ap.add_argument("--seconds", type=float, default=rule.MIN_PHASE_S,
+                    help="measured phase after --warm (the rule wants >= 300)")
+    ap.add_argument("--warm", type=float, default=10.0)
+    ap.add_argument("--age-min", type=float, default=12.0,
+                    help="project sessions' age before the phase (minutes of audio)")
+    ap.add_argument("--stagger-every", type=int, default=4096,
+                    help="the re-anchor cycle (positions) ages are spread over; 0: same age")
+    ap.add_argument("--controls", type=int, default=1)
+    ap.add_argument("--control-speed", type=float, default=0.97)
+    ap.add_argument("--production", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"])
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--max-model-len", type=int, default=16384)
+    ap.add_argument("--load-format", default="babelcast_scaled")
+    ap.add_argument("--age-concurrency", type=int, default=8)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="the feed ends by this many seconds after start (device calls)")
+    ap.add_argument("--out", default=None, help="write the stamped JSON here too")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    command = "python -m bench.capacity.strict " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
+    result = results.stamp(asyncio.run(main_async(args)), command)
+    if args.out:
+        results.save(result, args.out)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

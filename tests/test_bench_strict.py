@@ -1,0 +1,224 @@
+"""The strict capacity instrument (bench/capacity, issue 34): the keep-up rule fails what
+it must (a session at 97 % or 12.05 frames/s over 5 minutes), the phase's sampling catches
+a negative control for real, staggered ages spread over the re-anchor cycle, and the
+tables in README.md and docs/benchmarks.md are the kept results, rendered.
+
+The GPU part (engines, ageing, vLLM) runs on the H200 only (bench/results/capacity_h200)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.capacity import render, results, rule
+from bench.voxtral_age import (
+    ALIGN,
+    ageing_frames,
+    ageing_outputs,
+    lead_frames,
+    stagger_tail,
+    step_frames,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def series(fps: float, seconds: float, lag_frames: float = 1.5,
+           step: float = rule.SAMPLE_S) -> tuple[list[float], list[float]]:
+    """A session decoding `fps` frames/s while a sender sends 12.5: its backlog samples."""
+    times = [i * step for i in range(int(seconds / step) + 1)]
+    return times, [(lag_frames + (12.5 - fps) * t) * rule.FRAME_S for t in times]
+
+
+def test_rule_fails_sessions_a_frames_per_s_threshold_passed() -> None:
+    # 12.05 frames/s over 10 s counted as real time under the old threshold (12.0); over
+    # a 5-minute phase it falls 10.8 s behind, and the rule says so.
+    for fps in (12.05, 12.1, 12.5 * 0.97):
+        v = rule.session_verdict(*series(fps, 300.0))
+        assert not v["keeps_up"], (fps, v)
+        assert v["backlog_growth_s"] > rule.GROWTH_MAX_S
+    # what it lets through: under 0.17 % slow over 5 minutes
+    v = rule.session_verdict(*series(12.5 * 0.999, 300.0), decoded_frames=12.5 * 0.999 * 300)
+    assert v["keeps_up"], v
+    assert v["frames_per_s"] == pytest.approx(12.4875, abs=1e-3)
+
+
+def test_rule_fails_a_session_that_keeps_pace_a_second_and_more_behind() -> None:
+    times, backlog = series(12.5, 300.0, lag_frames=14)  # 1.12 s behind, not growing
+    v = rule.session_verdict(times, backlog)
+    assert v["backlog_growth_s"] == pytest.approx(0.0, abs=1e-9)
+    assert v["backlog_p99_s"] > rule.P99_MAX_S and not v["keeps_up"]
+
+
+def test_phase_verdict_knee_and_controls() -> None:
+    ok = rule.session_verdict(*series(12.5, 300.0))
+    slow = rule.session_verdict(*series(12.1, 300.0))
+    caught = rule.phase_verdict([ok] * 99 + [slow], 300.0, [slow])
+    assert caught["passes"] and caught["instrument_ok"] and caught["keep_up"] == 99
+    two_slow = rule.phase_verdict([ok] * 98 + [slow] * 2, 300.0, [slow])
+    assert not two_slow["passes"]  # 98 % < 99 %
+    short = rule.phase_verdict([ok] * 10, 120.0, [slow])
+    assert not short["passes"] and not short["phase_long_enough"]
+    blind = rule.phase_verdict([ok] * 10, 300.0, [ok])  # the control passed: no figure
+    assert blind["instrument_ok"] is False
+    assert rule.knee({48: caught, 64: caught, 96: two_slow, 128: caught}) == 64
+    assert rule.knee({48: blind, 64: caught}) is None
+    assert rule.knee({48: two_slow}) is None
+
+
+def test_staggered_ages_spread_over_the_reanchor_cycle() -> None:
+    tails = [stagger_tail(i, 110, 4096) for i in range(110)]
+    assert min(tails) == 0 and max(tails) == 4096 - ALIGN
+    assert len(set(tails)) == 4096 // ALIGN  # every 128-position place of the cycle
+    counts = [tails.count(t) for t in set(tails)]
+    assert max(counts) - min(counts) <= 1  # evenly
+    assert all(t % ALIGN == 0 for t in tails)
+    assert stagger_tail(110, 110, 4096) == 0  # beyond the total: wraps
+    # negative control: same age for all (the old ageing) is one place
+    assert len({stagger_tail(i, 110, 0) for i in range(110)}) == 1
+
+
+@pytest.mark.parametrize("steps,tail", [(0, 0), (5, 0), (5, 384), (0, 256)])
+def test_ageing_steps_add_up(steps: int, tail: int) -> None:
+    bulk = 768
+    lead = lead_frames() if steps or tail else 0
+    outputs = ageing_outputs(steps, tail=tail)
+    sizes = [step_frames(k, lead, bulk, steps, tail) for k in range(1, outputs)]
+    # the first prompt's 8 look-ahead frames, the steps up to the last large one, settle
+    assert 8 + sum(sizes) + 2 == ageing_frames(steps, bulk, tail=tail)
+    if steps or tail:  # every large step starts on the re-anchor unit
+        start = 39 + lead
+        for size in sizes[lead:]:
+            assert start % ALIGN == 0
+            start += size
+
+
+class RateDecoder:
+    """TEST DOUBLE for an engine session (no GPU here): it decodes every frame pushed to
+    it, one output per frame, after `delay_s`. The instrument under test is the phase's
+    sampling and the rule, not the engine."""
+
+    def __init__(self, delay_s: float = 0.01) -> None:
+        self.outputs = 0
+        self.delay_s = delay_s
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def push(self, frame: np.ndarray) -> None:
+        assert frame.dtype == np.int16 and frame.size == 1280
+        self.tasks.append(asyncio.ensure_future(self._decode()))
+
+    async def _decode(self) -> None:
+        await asyncio.sleep(self.delay_s)
+        self.outputs += 1
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+def test_phase_catches_a_slow_control_session_for_real() -> None:
+    from bench import voxtral_capacity as capacity
+
+    audio = (np.arange(16000 * 4) % 200).astype(np.int16)
+    decoders: list[RateDecoder] = []
+
+    async def start(i: int) -> capacity.Handle:
+        d = RateDecoder()
+        decoders.append(d)
+        return d.push, (lambda: d.outputs), d.close
+
+    async def counters() -> dict[str, object]:
+        return {"reanchors": 3 * len(decoders), "shift_by_request": {}}
+
+    result = asyncio.run(capacity._phase(2, 7.0, audio, start, controls=1,
+                                         control_speed=0.8, counters=counters, warm_s=1.0))
+    assert [s["session"] for s in result["sessions"]] == [0, 1]
+    for s in result["sessions"]:
+        assert s["keeps_up"], s
+        assert s["frames_per_s"] == pytest.approx(12.5, abs=0.5)
+    (control,) = result["controls"]
+    assert not control["keeps_up"], control  # 80 % of real time: ~1.2 s behind by the end
+    assert control["backlog_growth_s"] > rule.GROWTH_MAX_S
+    assert control["frames_per_s"] == pytest.approx(10.0, abs=0.5)
+    assert result["reanchors_in_phase"]["reanchors"] == 0  # the same before and after
+
+
+def test_phase_cut_to_its_deadline() -> None:
+    import time
+
+    from bench import voxtral_capacity as capacity
+
+    audio = (np.arange(16000 * 4) % 200).astype(np.int16)
+
+    async def start(i: int) -> capacity.Handle:
+        d = RateDecoder()
+        return d.push, (lambda: d.outputs), d.close
+
+    t = time.time()
+    result = asyncio.run(capacity._phase(1, 600.0, audio, start, warm_s=0.5,
+                                         deadline=time.time() - 100))
+    assert result["seconds_planned"] == 600.0 and result["seconds_fed"] == 5.5
+    assert time.time() - t < 15
+
+
+def strict_result(keep: int, n: int, control_caught: bool = True) -> dict[str, object]:
+    ok = rule.session_verdict(*series(12.5, 300.0), decoded_frames=3750)
+    slow = rule.session_verdict(*series(12.1, 300.0), decoded_frames=3630)
+    control = slow if control_caught else ok
+    return results.stamp({
+        "kind": "capacity_strict", "config": "project-direct-x3+melspec+tokens+keys",
+        "streams": n, "stock": False, "age_min": 12.0,
+        "stagger": {"every": 4096}, "verdict": rule.phase_verdict(
+            [ok] * keep + [slow] * (n - keep), 300.0, [control]),
+        "reanchors_in_phase": {"reanchors": 104, "requests_reanchored": 100},
+        "gpu_util_p50": 97.0}, command="python -m bench.capacity.strict --streams 110")
+
+
+def test_results_carry_their_provenance() -> None:
+    r = strict_result(110, 110)
+    assert r["command"].startswith("python -m bench.capacity.strict")
+    assert r["date"].endswith("Z") and r["commit"]  # git here; COMMIT on the device
+
+
+def test_tables_are_the_kept_results(tmp_path: Path) -> None:
+    # The real tables: README.md and docs/benchmarks.md agree with bench/results.
+    assert render.check() == []
+    # A table rendered from a folder, then a result changed: the check fails.
+    folder = tmp_path / "capacity_h200"
+    results.save(strict_result(110, 110), folder / "a.json")
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{render.START}\n{render.END}\noutro\n")
+    doc.write_text(render.rendered(doc.read_text(), render.ROOT, folder))
+    text = doc.read_text()
+    assert "| 110 | 12 min, staggered | 300 s | 110/110 **pass** |" in text
+    assert "104 (100 sessions)" in text and "1/1 caught" in text
+    changed = json.loads((folder / "a.json").read_text())
+    changed["verdict"]["keep_up"] = 109
+    (folder / "a.json").write_text(json.dumps(changed))
+    assert render.rendered(text, render.ROOT, folder) != text
+    results.save(strict_result(110, 110, control_caught=False), folder / "b.json")
+    assert "**instrument failed**" in render.table(render.ROOT, folder)
+
+
+def test_render_refuses_a_page_without_markers(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="markers"):
+        render.rendered("no table here", render.ROOT, tmp_path)
+
+
+def test_the_strict_bench_parses_its_device_command() -> None:
+    from bench.capacity import strict
+
+    a = strict.parse(["--model", "/tmp/voxtral", "--config", "stock-x3", "--streams", "74"])
+    assert strict.is_stock(a.config) and a.seconds == rule.MIN_PHASE_S
+    assert a.load_format == "babelcast_scaled" and a.kv_cache_dtype == "fp8"
+    assert strict.shares(110, 3) == [37, 37, 36]
+    assert not strict.is_stock("project-direct-x3+melspec+tokens+keys")
+    opts = strict.engine_options(a, 3, 25)
+    assert opts.reanchor == "off" and opts.direct_input == "off"
+    assert opts.gpu_memory_utilization == pytest.approx(0.3)
+    assert shutil.which("python3")
