@@ -28,6 +28,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from orchestrator import yaml_bounds
 from orchestrator.gateway.security_config import (
     AuthConfig,
     LimitsConfig,
@@ -805,9 +806,12 @@ def parse_event(text: str, *, filename: str = "<string>",
     loader: yaml.SafeLoader | None = None
     try:
         # The constructor already reads: a control character fails here (found by fuzzing).
-        loader = yaml.SafeLoader(text)
-        root = loader.get_single_node()
+        # Composed under a budget of aliases and expanded size before anything walks it.
+        root, loader = yaml_bounds.compose(text)
         data = loader.construct_document(root) if root is not None else None
+    except yaml_bounds.AliasRefused as e:
+        raise ConfigError([ConfigIssue(filename, e.line, _display_key(e.path) if e.path
+                                       else "<yaml>", e.message)]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = mark.line + 1 if mark is not None else None
