@@ -4,6 +4,8 @@ All scenarios play at wall-clock pace, at the same time, on one engine (its
 decode thread is shared, as in an ASR actor), so the module takes ~3 minutes:
 - a ~1.6-minute talk twice: with a 14 s session budget (warm rollovers) and without;
 - the talk through an engine that goes mute after 30 s of a session's audio;
+- 80 s of the talk through an engine slowed to half real time (its captions end 40 s
+  behind the audio): slow, not stuck;
 - 60 s of room tone (no speech) through an engine that is mute from the start;
 - the talk through an engine whose first session raises after 8 s;
 - a source that stalls for a second in the middle of speech.
@@ -32,7 +34,7 @@ from workers.engines.base import (
     WrappedEngine,
 )
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
-from workers.engines.faults import MuteAfterEngine, RaisingEngine
+from workers.engines.faults import MuteAfterEngine, RaisingEngine, SlowEngine
 from workers.events import SAMPLE_RATE, AudioChunk, Word
 from workers.sessions.manager import SessionManager, SessionPolicy
 
@@ -99,7 +101,8 @@ class RecordingEngine(WrappedEngine):
 
 
 async def play(engine: SpeechEngine, policy: SessionPolicy, pcm: bytes, *,
-               stall_at_s: float | None = None, stall_s: float = 0.0) -> Played:
+               stall_at_s: float | None = None, stall_s: float = 0.0,
+               slowdown: float = 1.0) -> Played:
     manager = SessionManager(engine, SessionOptions("t", "en"), policy)
     manager.start()
     run = Played(manager, t0=time.time() + 0.2)
@@ -127,7 +130,8 @@ async def play(engine: SpeechEngine, policy: SessionPolicy, pcm: bytes, *,
                 run.text_walls.append(now)
             run.finals.extend(c.text for c in seg.feed(delta) if c.is_final)
 
-    await asyncio.wait_for(asyncio.gather(feed(), consume()), len(pcm) / 2 / SAMPLE_RATE + 60)
+    await asyncio.wait_for(asyncio.gather(feed(), consume()),
+                           slowdown * len(pcm) / 2 / SAMPLE_RATE + 60)
     return run
 
 
@@ -151,6 +155,9 @@ def results() -> dict[str, Any]:
         silent = MuteAfterEngine(engine, after_s=0.0)
         raising = RaisingEngine(engine, after_s=8.0, sessions=1)
         recording = RecordingEngine(engine)
+        # Each chunk is held back twice its length before the real session gets it: the
+        # session decodes at half real time, its backlog grows, its captions keep coming.
+        slow = SlowEngine(engine, slowdown=2.0)
         out = await asyncio.gather(
             play(engine, ROLLOVER, pcm),
             play(engine, SessionPolicy(), pcm),
@@ -159,9 +166,10 @@ def results() -> dict[str, Any]:
             play(raising, SessionPolicy(), pcm[: 40 * SAMPLE_RATE * 2]),
             play(recording, SessionPolicy(), pcm[: 20 * SAMPLE_RATE * 2],
                  stall_at_s=8.0, stall_s=1.0),
+            play(slow, SessionPolicy(), pcm[: 80 * SAMPLE_RATE * 2], slowdown=2.0),
         )
         await engine.aclose()
-        keys = ("with", "without", "mute", "silence", "raising", "stall")
+        keys = ("with", "without", "mute", "silence", "raising", "stall", "slow")
         return {"text": text, "raising_engine": raising, "recording": recording,
                 **dict(zip(keys, out, strict=True))}
 
@@ -280,3 +288,44 @@ def test_stalled_source_is_filled_with_faint_noise_and_marked(results: dict[str,
     samples = np.concatenate([np.frombuffer(c.pcm, dtype="<i2") for c in filled])
     assert np.abs(samples).max() <= 2, "the hole is not faint noise"
     assert samples.any(), "the hole was filled with exact zeros"
+
+
+def longest_silence(played: Played, upto_s: float) -> float:
+    """The longest stretch of audio (to `upto_s`) between two captioned words."""
+    starts = sorted(w.start_s for _, w in played.words if w.end_s <= upto_s)
+    ends = sorted(w.end_s for _, w in played.words if w.end_s <= upto_s)
+    return max((b - a for a, b in zip(ends, starts[1:], strict=False)), default=upto_s)
+
+
+def test_a_slow_session_is_not_replaced_and_loses_no_audio(results: dict[str, Any]) -> None:
+    played: Played = results["slow"]
+    lags = [wall - played.t0 - w.end_s for wall, w in played.words]
+    print(f"slow: captions up to {max(lags):.1f} s behind the audio, "
+          f"{len(played.words)} words, rollovers {played.manager.rollover_log}")
+    assert max(lags) > 30.0, "not slow enough to tell: the old bound judged past 30 s"
+    assert played.manager.counters["ruts_detected"] == 0
+    assert played.manager.rollover_log == []
+    # Every stretch of the talk is captioned: no hole longer than the talk's own pauses
+    # (the run without faults over the same audio) and a little slack.
+    reference = longest_silence(results["without"], 78.0)
+    assert longest_silence(played, 78.0) <= reference + 2.5, (
+        longest_silence(played, 78.0), reference)
+    assert max(w.end_s for _, w in played.words) > 75.0, "the end of the talk is missing"
+
+
+def test_a_stuck_session_resumes_from_the_last_words_end(results: dict[str, Any]) -> None:
+    """The replacement re-reads the audio from the end of the muted session's last
+    committed word, however far behind the live edge that is: nothing said in between is
+    lost (issue 36: the replacement read only the watchdog's last 15 s of audio, and a
+    session that was behind lost the rest)."""
+    played: Played = results["mute"]
+    [(reason, cut)] = played.manager.rollover_log
+    assert reason == "rut"
+    before = [w for _, w in played.words if w.end_s <= cut + 1e-6]
+    assert before and abs(max(w.end_s for w in before) - cut) < 1e-6
+    after = sorted(w.start_s for _, w in played.words if w.start_s >= cut)
+    assert after and after[0] - cut < 3.0, f"first word after the cut at {after[0] - cut:.1f} s"
+    reference = longest_silence(results["without"], 68.0)
+    assert longest_silence(played, 68.0) <= reference + 2.5, (
+        longest_silence(played, 68.0), reference)
+    assert played.manager.counters["skipped_s_replacement"] == 0

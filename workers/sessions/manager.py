@@ -19,10 +19,17 @@ outside, like a single session that never ends:
   is shortened by a random part of `budget_jitter` (seeded by stream and session), so
   streams started together roll over at different times; when no session slot is
   free to warm a successor, the session is replaced cold once its budget is spent.
-- **Rut watchdog**: sustained speech with almost no text rolls over at once,
-  feeding the new session the watchdog window.
+- **Rut watchdog**: a stuck session (it heard speech and wrote almost no text, or it
+  stopped hearing) is replaced at once; a slow one never is (sessions/watchdog.py).
 - **Engine errors / ended sessions**: a session that raises, or that the engine
   ends on its own (stock vLLM at max_model_len), is replaced the same way.
+- **No replacement skips audio**: the new session re-reads the ring from the end of
+  the old one's last committed word (as a warm rollover re-reads its overlap), however
+  far behind the live edge that is; the ring holds what a session's input queue can
+  (`BACKLOG_S`). Only two things skip, both counted in `skipped_s_replacement` and
+  logged: audio older than the ring, and a second rut with no word since the first
+  (the same audio read again would only stick again), which starts `rut.window_s`
+  before the newest audio.
 
 Voice activity comes from a `VadStream` (Silero in this thread by default; a GPU
 actor passes one from a helper process so the VAD stays off its event loop). Its flags
@@ -32,6 +39,12 @@ them ends (`AudioChunk.speech_end`: Silero's frames run on across chunks).
 
 Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
 export (status fields and metrics); the manager itself does no I/O.
+
+**How far behind** (`gauges["caption_lag_s"]`): the audio seconds from the oldest speech
+the current session has been fed but not yet heard to the newest audio: 0 for a session
+that keeps up (or a silent room, which has nothing to caption), growing by a second each
+second for a stuck or overloaded one. Absent for engines that do not say how far they
+have heard (the host then uses its latest caption's latency).
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -60,11 +73,14 @@ from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, W
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
 from workers.sessions.stall import asr_threshold
-from workers.sessions.watchdog import RutPolicy, RutWatchdog
+from workers.sessions.watchdog import BACKLOG_S, RutPolicy, RutWatchdog
 
 log = logging.getLogger(__name__)
 
 ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap")
+SKIP_REASONS = ("replacement", "queue_full", "shed")
+"""Why speech was skipped, never captioned (counters `skipped_s_<reason>`): see the
+module doc (replacement), `INPUT_QUEUE_MAX` (queue_full) and `ShedPolicy` (shed)."""
 
 
 def session_budget(configured: float | None, caps: EngineCapabilities) -> float | None:
@@ -140,7 +156,7 @@ class SessionManager(RecognizeSession):
         self.budget_s = session_budget(self.policy.budget_s, engine.capabilities)
         self._clock = clock
         p = self.policy
-        self._ring = AudioRing(max(p.overlap_s, p.rut.window_s) + 2.0)
+        self._ring = AudioRing(max(p.overlap_s, p.rut.window_s, BACKLOG_S) + 2.0)
         self._vad: VadStream = vad or InlineVad()
         self._vad_carry = 0  # samples the VAD holds toward its next frame
         # An engine that sends text only at a pause (text_lag_s) is mute for that long by
@@ -169,6 +185,10 @@ class SessionManager(RecognizeSession):
         self._open_failures = 0
         self._warm_retry_at = 0.0
         self._cut_s = 0.0
+        self._rut_cut_s: float | None = None  # where the last rut replacement resumed
+        # Runs of speech (start, end) in the last BACKLOG_S of audio, for the lag gauge;
+        # unlike the watchdog's, kept across rollovers (a replacement re-reads them).
+        self._speech_runs: deque[list[int]] = deque()
         # The seam between two sessions: the old one's last words, for dedupe.
         self._seam_gen = -1
         self._prev_tail: list[str] = []
@@ -328,8 +348,9 @@ class SessionManager(RecognizeSession):
         self._prev_end_s = old.last_end_s
         self._seam_gen = new.n
 
-    async def _replace_now(self, reason: str, *, feed_s: float | None = None) -> None:
-        """Switch to a new session immediately (rut, error, ended, gap)."""
+    async def _replace_now(self, reason: str) -> None:
+        """Switch to a new session immediately (rut, error, ended, gap), resuming where
+        the old one's committed words end."""
         old = self._cur
         await self._close(self._next)
         self._next = None
@@ -339,7 +360,7 @@ class SessionManager(RecognizeSession):
             # Whatever the old session had tentatively on screen is not confirmed:
             # close the open caption on its committed words.
             await self._emit(TranscriptDelta(end_of_utterance=True))
-        cut = old.last_end_s if old is not None else self._cut_s
+        cut = max(old.last_end_s, old.accept_from_s) if old is not None else self._cut_s
         self._cut_s = cut
         if reason == "engine_error" and old is not None:
             # A session that fails at once must not become a busy loop.
@@ -361,11 +382,36 @@ class SessionManager(RecognizeSession):
         self.rollover_log.append((reason, cut))
         if reason == "rut":
             self._rut_pending = True
+        start = None if self.pos is None else self._resume_pos(reason, cut)
         self._watch.reset()
-        if self.pos is not None:
-            back = self.policy.overlap_s if feed_s is None else feed_s
-            for chunk in self._ring.since(self.pos - int(back * SAMPLE_RATE)):
+        if start is not None:
+            for chunk in self._ring.replay(start):
                 await self._feed(new, chunk)
+
+    def _resume_pos(self, reason: str, cut_s: float) -> int:
+        """Where a replacement starts reading: a little before `cut_s` (a word cut there
+        is heard whole; words before it are not accepted again), never later than a warm
+        rollover's overlap before the newest audio."""
+        assert self.pos is not None
+        live = self.pos - int(self.policy.overlap_s * SAMPLE_RATE)
+        want = min(live, int((cut_s - 1.0) * SAMPLE_RATE))
+        skip_to = want
+        if reason == "rut":
+            if self._rut_cut_s is not None and cut_s <= self._rut_cut_s:
+                # No word since the last rut: that audio sticks; go on from the recent past.
+                skip_to = max(want, self.pos - int(self.policy.rut.window_s * SAMPLE_RATE))
+            self._rut_cut_s = cut_s
+        oldest = self._ring.start_pos
+        if oldest is not None:
+            skip_to = max(skip_to, oldest)
+        # Only speech counts as lost: a room silent since its last word skips nothing.
+        skipped = self._watch.speech_between(want, skip_to) if skip_to > want else 0.0
+        if skipped > 0.05:
+            self.counters["skipped_s_replacement"] += skipped
+            log.warning("stream %s: %s replacement skipped %.1f s of audio (%s)",
+                        self.options.stream_id, reason, skipped,
+                        "older than the ring" if skip_to == oldest else "a repeated rut")
+        return skip_to
 
     async def _begin_warm_rollover(self) -> None:
         assert self.pos is not None
@@ -408,6 +454,11 @@ class SessionManager(RecognizeSession):
         for speech in flags:
             if speech:
                 self._watch.speech(frame_pos, FRAME_SAMPLES)
+                runs = self._speech_runs
+                if runs and runs[-1][1] == frame_pos:
+                    runs[-1][1] = frame_pos + FRAME_SAMPLES
+                else:
+                    runs.append([frame_pos, frame_pos + FRAME_SAMPLES])
                 self._pause_run = 0
             else:
                 if self._pause_run == 0:
@@ -417,6 +468,9 @@ class SessionManager(RecognizeSession):
                     self._best_pause = (self._pause_run, self._pause_start)
             frame_pos += FRAME_SAMPLES
         self.gauges["voiced_without_text_s"] = round(self._watch.voiced_without_text_s, 2)
+        oldest = self.pos - int(BACKLOG_S * SAMPLE_RATE)
+        while self._speech_runs and self._speech_runs[0][1] < oldest:
+            self._speech_runs.popleft()
         # After T is chosen the old session only flushes; it gets no more audio.
         cur = self._cur if self._switch_at is None else None
         for gen in (cur, self._next):
@@ -424,16 +478,28 @@ class SessionManager(RecognizeSession):
                 await self._feed(gen, chunk)
         await self._after_audio()
 
+    def _update_lag(self) -> None:
+        cur = self._cur
+        heard = None if cur is None else cur.session.heard_until
+        if heard is None or self.pos is None:
+            self.gauges.pop("caption_lag_s", None)
+            return
+        unheard = next((max(a, heard) for a, b in self._speech_runs if b > heard), None)
+        lag = 0.0 if unheard is None else max(0, self.pos - unheard) / SAMPLE_RATE
+        self.gauges["caption_lag_s"] = round(lag, 2)
+
     async def _after_audio(self) -> None:
         assert self.pos is not None
+        self._update_lag()
         cur = self._cur
         if cur is None:
             if self._clock() >= self._retry_at:
                 await self._replace_now("engine_error")
             return
-        if self._next is None and self._watch.in_rut(cur.session.heard_until):
+        heard = cur.session.heard_until
+        if self._next is None and (self._watch.in_rut(heard) or self._watch.deaf(heard)):
             self.counters["ruts_detected"] += 1
-            await self._replace_now("rut", feed_s=self.policy.rut.window_s)
+            await self._replace_now("rut")
             return
         budget = cur.budget_s
         if budget is None:

@@ -37,6 +37,27 @@ class AudioRing:
             out.append(c)
         return out
 
+    def replay(self, pos: int, chunk_s: float = 1.0) -> list[AudioChunk]:
+        """`since(pos)` joined into chunks of up to `chunk_s`: a replacement re-reads up to
+        the whole ring, which in 100 ms chunks would overflow a session's input queue
+        (INPUT_QUEUE_MAX chunks, which drops the oldest)."""
+        limit = int(chunk_s * SAMPLE_RATE)
+        out: list[AudioChunk] = []
+        for c in self.since(pos):
+            last = out[-1] if out else None
+            if (last is not None and last.samples + c.samples <= limit
+                    and (last.speech is None) == (c.speech is None)):
+                speech = None if c.speech is None else (last.speech or ()) + c.speech
+                # Where the last completed frame ends: in `c` if one completed there.
+                end = c.speech_end if c.speech or c.speech is None else (
+                    last.speech_end if last.speech_end is not None
+                    else last.pos + last.samples)
+                out[-1] = AudioChunk(c.stream, last.pos, last.pcm + c.pcm, c.wall, speech,
+                                     end)
+            else:
+                out.append(c)
+        return out
+
     @property
     def start_pos(self) -> int | None:
         return self._chunks[0].pos if self._chunks else None

@@ -1,20 +1,25 @@
-"""The rut watchdog: sustained speech with (almost) no text means a stuck session.
+"""The rut watchdog: tells a stuck session from a slow one.
 
 Fed with voice-activity frames and with the text an engine session emits, both
-stamped with the stream's audio position. It looks at the recent past only
-(`window_s`) and at every suffix of it: if some suffix holds at least
-`speech_s` seconds of speech and fewer than `chars_per_speech_s` characters of
-text per speech second, the session is in a rut. Looking at suffixes means text
-from before the rut does not hide it for a whole window. Silence has no speech
-seconds, so a quiet room never triggers it.
+stamped with the stream's audio position, and with how far the session's
+recognition has got (`heard`: the stream position its decoding has reached).
 
-Only speech the session has heard is judged (`in_rut(heard)`: the stream position
-its recognition has reached). A session behind a busy engine has not written the
-text for audio it has not decoded yet; judging that audio replaced healthy sessions
-under load, cancelled their final decodes and lost those words (seen on a 2-core
-host: six embedded sessions, the first utterance of each gone). Past `max_lag_s`
-behind the newest audio, speech is judged anyway: a session that stopped hearing
-altogether is stuck too.
+A session is **stuck** when
+- it heard speech and wrote (almost) no text: some suffix of the recent past
+  (`window_s`) holds at least `speech_s` seconds of speech the session has heard and
+  fewer than `chars_per_speech_s` characters of text per speech second (`in_rut`).
+  Suffixes, so text from before the rut does not hide it for a whole window; silence
+  has no speech seconds, so a quiet room never triggers it; or
+- it stopped hearing: `max_lag_s` seconds of speech were fed to it while its
+  recognition did not move on at all (`deaf`).
+
+A session that is merely **slow** (a busy engine: its input backlog grows, its
+output keeps coming) is neither: only speech it has heard is judged, however far
+behind the newest audio that is, and its recognition keeps moving. Judging the
+unheard backlog replaced healthy sessions under load and lost their words (issue 36:
+a room 30 s behind lost 10 s of speech at each replacement, because the lag alone
+made it count as stuck; earlier, on a 2-core host with six sessions, the first
+utterance of each).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from dataclasses import dataclass
 
 from workers.events import SAMPLE_RATE
 
+BACKLOG_S = 65.0
+"""Audio a session may hold behind the newest (its input queue: ~60 s), and so what the
+watchdog keeps and what a replacement can re-read (`SessionManager`'s ring)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RutPolicy:
@@ -31,6 +40,8 @@ class RutPolicy:
     speech_s: float = 6.0
     chars_per_speech_s: float = 1.0
     max_lag_s: float = 30.0
+    """Speech seconds fed to a session whose recognition does not move on at all: then it
+    has stopped hearing. Not a bound on lag: a slow session moves on, however late."""
 
 
 class RutWatchdog:
@@ -40,10 +51,13 @@ class RutWatchdog:
         self._text: deque[tuple[int, int]] = deque()  # (pos, chars)
         self._since_text = 0  # speech samples since the last text
         self.voiced_without_text_s = 0.0
+        self._heard: int | None = None
+        self._speech_unheard = 0  # speech samples fed since `heard` last moved on
 
     def speech(self, pos: int, samples: int) -> None:
         self._speech.append((pos, samples))
         self._since_text += samples
+        self._speech_unheard += samples
         self.voiced_without_text_s = self._since_text / SAMPLE_RATE
         self._trim(pos)
 
@@ -59,9 +73,31 @@ class RutWatchdog:
         self._text.clear()
         self._since_text = 0
         self.voiced_without_text_s = 0.0
+        self._heard = None
+        self._speech_unheard = 0
+
+    def speech_between(self, start: int, end: int) -> float:
+        """Seconds of speech fed in stream positions [start, end) (as far as kept)."""
+        n = sum(min(pos + k, end) - max(pos, start) for pos, k in self._speech
+                if pos < end and pos + k > start)
+        return n / SAMPLE_RATE
+
+    def deaf(self, heard: int | None) -> bool:
+        """Whether the session stopped hearing: `max_lag_s` of speech fed to it since its
+        recognition last moved on (`heard` grows with every decode step of a session that
+        works, however slowly). None: the session does not say; never deaf then."""
+        if heard is None:
+            return False
+        if self._heard is None or heard > self._heard:
+            self._heard = heard
+            self._speech_unheard = 0
+            return False
+        return self._speech_unheard >= self.policy.max_lag_s * SAMPLE_RATE
 
     def _trim(self, now: int) -> None:
-        start = now - int((self.policy.window_s + self.policy.max_lag_s) * SAMPLE_RATE)
+        # Speech heard long after it was fed is judged then: keep as much as the input
+        # queue of a session can hold behind the newest audio (INPUT_QUEUE_MAX, ~60 s).
+        start = now - int((self.policy.window_s + BACKLOG_S) * SAMPLE_RATE)
         while self._speech and self._speech[0][0] < start:
             self._speech.popleft()
         while self._text and self._text[0][0] < start:
@@ -69,14 +105,13 @@ class RutWatchdog:
 
     def in_rut(self, heard: int | None = None) -> bool:
         """`heard`: the stream position the session's recognition has reached (None: all
-        the speech fed is judged)."""
+        the speech fed is judged). Speech not heard yet is never judged, however long
+        it has waited: that is a slow session, not a stuck one (see `deaf`)."""
         if not self._speech:
             return False
         p = self.policy
         newest = sum(self._speech[-1])  # the end of the newest speech frame
-        horizon = newest
-        if heard is not None:
-            horizon = min(horizon, max(heard, newest - int(p.max_lag_s * SAMPLE_RATE)))
+        horizon = newest if heard is None else min(newest, heard)
         start = horizon - int(p.window_s * SAMPLE_RATE)
         need = p.speech_s * SAMPLE_RATE
         speech = 0
