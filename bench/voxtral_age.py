@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +54,20 @@ def lead_frames(align: int = ALIGN) -> int:
     return (-FIRST_POSITIONS) % align
 
 
-def ageing_outputs(steps: int, align: int = ALIGN, tail: int = 0) -> int:
+BULK = 768
+
+
+def tail_steps(tail: int, bulk: int = BULK) -> list[int]:
+    """A tail of `tail` frames in steps no larger than a bulk step (a larger step would
+    hold more KV cache until computed than any bulk step, see `aged_prompts`)."""
+    return [bulk] * (tail // bulk) + ([tail % bulk] if tail % bulk else [])
+
+
+def ageing_outputs(steps: int, align: int = ALIGN, tail: int = 0, bulk: int = BULK) -> int:
     """Outputs an ageing session has given once aged: the first prompt's, the lead's
-    one-frame steps, the bulk steps and the tail step (if any)."""
-    return 1 + (lead_frames(align) + steps + (1 if tail else 0) if steps or tail else 0)
+    one-frame steps, the bulk steps and the tail's steps (if any)."""
+    sized = steps + len(tail_steps(tail, bulk))
+    return 1 + (lead_frames(align) + sized if sized else 0)
 
 
 def stagger_tail(index: int, total: int, every: int, align: int = ALIGN) -> int:
@@ -71,14 +81,10 @@ def stagger_tail(index: int, total: int, every: int, align: int = ALIGN) -> int:
     return ((index % total) * places // total) * align
 
 
-def step_frames(k: int, lead: int, bulk: int, bulk_steps: int, tail: int = 0) -> int:
+def step_frames(k: int, lead: int, sizes: list[int]) -> int:
     """Frames of an ageing session's step `k` after its first prompt (k = 1, 2, …): the
-    lead's one-frame steps, `bulk_steps` of `bulk`, one of `tail` (if any), then one."""
-    if lead < k <= lead + bulk_steps:
-        return bulk
-    if tail and k == lead + bulk_steps + 1:
-        return tail
-    return 1
+    lead's one-frame steps, then `sizes` (the bulk steps and the tail's), then one."""
+    return sizes[k - lead - 1] if lead < k <= lead + len(sizes) else 1
 
 
 def ageing_frames(steps: int, bulk: int, align: int = ALIGN, tail: int = 0) -> int:
@@ -134,7 +140,8 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]], bulk: int, bulk_steps: int,
                        direct: bool = False, gate: asyncio.Semaphore | None = None,
                        align: int = ALIGN, tail: int = 0,
-                       own_tokens: bool = False) -> AsyncIterator[Any]:
+                       own_tokens: bool = False,
+                       on_aged: Callable[[], None] | None = None) -> AsyncIterator[Any]:
     """vLLM's realtime buffer (`VoxtralRealtimeBuffer`), except that after the first
     prompt and `lead_frames(align)` one-frame steps, `bulk_steps` steps take `bulk` frames
     at once (`bulk` a multiple of `align`, so each bulk step starts on it). With `direct`,
@@ -146,11 +153,12 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     and with every session ageing at once that filled an engine's cache and stalled it
     (48 sessions on two bf16 engines, H200), which no session fed in real time meets.
 
-    `tail` (a multiple of `align`, below `bulk`): one more step of that many frames after
-    the bulk ones, so sessions of one phase can be aged unlike each other
+    `tail` (a multiple of `align`): that many more frames after the bulk steps, in steps
+    of at most `bulk` (`tail_steps`), so sessions of one phase can be aged unlike each other
     (`stagger_tail`). `own_tokens`: each step is given the model's own last output token,
     as vLLM's realtime buffer does, where blank tokens were fed before; a bulk step's other
-    positions, whose outputs no step computed, get blanks."""
+    positions, whose outputs no step computed, get blanks. `on_aged()` is called once
+    the output of the session's last large step has come (it is aged)."""
     from vllm.engine.protocol import StreamingInput
     from vllm.model_executor.models.voxtral_realtime import VoxtralRealtimeBuffer
     from vllm.renderers.inputs.preprocess import parse_model_prompt
@@ -160,8 +168,9 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
         raise ValueError(f"bulk {bulk} is not a multiple of the alignment {align}")
     if tail % align or tail < 0:
         raise ValueError(f"tail {tail} is not a multiple of the alignment {align}")
-    lead = lead_frames(align) if bulk_steps or tail else 0
-    sized = bulk_steps + (1 if tail else 0)  # steps larger than one frame
+    sizes = [bulk] * bulk_steps + tail_steps(tail, bulk)  # steps larger than one frame
+    lead = lead_frames(align) if sizes else 0
+    sized = len(sizes)
     llm = backend.llm
     model_config = llm.model_config
     tokenizer = cached_tokenizer_from_config(model_config)
@@ -180,7 +189,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
                 yield frame_end - frame_start, (end - start) // step
                 k += 1
                 start = end
-                end += step * step_frames(k, lead, bulk, bulk_steps, tail)
+                end += step * step_frames(k, lead, sizes)
 
     buffer = Aged(config, prompt_tokens)
     build: Any = None
@@ -205,9 +214,11 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
             out = await tokens.get()
             n += 1
             place.on_output(n)
+            if on_aged is not None and n == lead + sized + 1:
+                on_aged()
             # Before a step of b frames the buffer needs b tokens: the model's own last
             # (own_tokens) and blanks, as silence gives, for positions no step decoded.
-            b = step_frames(n, lead, bulk, bulk_steps, tail)
+            b = step_frames(n, lead, sizes)
             own = out[-1:] if own_tokens and out else [BLANK]
             await buffer.append_tokens([*own, *[BLANK] * (b - 1)])
 

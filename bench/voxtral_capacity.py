@@ -793,7 +793,6 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                 age_gate.append(asyncio.Semaphore(age_concurrency))
             steps = age_frames // AGE_BULK
             from bench.voxtral_age import (
-                ALIGN,
                 aged_prompts,
                 ageing_frames,
                 ageing_outputs,
@@ -806,18 +805,27 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             # the measured window; own tokens: the model's last output fed back.
             stagger = cmd.get("stagger") or {}
             own_tokens = bool(cmd.get("own_tokens"))
+            aged_count = [0]  # sessions whose last large ageing step has its output
 
             def ageing(live: AsyncIterator[np.ndarray], tokens: asyncio.Queue[list[int]],
                        direct: bool, steps: int = steps,
-                       count: Iterator[int] = sessions_aged) -> AsyncIterator[Any]:
+                       count: Iterator[int] = sessions_aged, first: int = first,
+                       stagger: dict[str, Any] = stagger, tails: list[int] = tails_given,
+                       own_tokens: bool = own_tokens, aged_count: list[int] = aged_count,
+                       ) -> AsyncIterator[Any]:
                 k = next(count)  # sessions start at different places in the speech
                 tail = (stagger_tail(first + k, int(stagger["total"]), int(stagger["every"]))
                         if stagger else 0)
-                tails_given.append(tail)
+                tails.append(tail)
                 frames = ageing_audio(audio, (k * 7919 * FRAME) % audio.size,
                                       ageing_frames(steps, AGE_BULK, tail=tail))
+
+                def aged() -> None:
+                    aged_count[0] += 1
+
                 return aged_prompts(backend, prefixed(frames, live), tokens, AGE_BULK, steps,
-                                    direct, age_gate[0], tail=tail, own_tokens=own_tokens)
+                                    direct, age_gate[0], tail=tail, own_tokens=own_tokens,
+                                    on_aged=aged)
 
             ageing_wrapper = AgeingBackend(backend, ageing)
             engine._backend = ageing_wrapper
@@ -828,9 +836,17 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
             async def before(n: int = n + controls, steps: int = steps,
                              wrapper: AgeingBackend = ageing_wrapper,
-                             tail: int = ALIGN if stagger else 0) -> None:
-                # a session without a tail step passes this on its settle steps
-                await until_first_sessions_aged(opened, n, ageing_outputs(steps, tail=tail))
+                             aged_count: list[int] = aged_count,
+                             stagger: dict[str, Any] = stagger) -> None:
+                if not stagger:
+                    await until_first_sessions_aged(opened, n, ageing_outputs(steps))
+                else:  # ages differ: each session says when it is aged
+                    async def all_there() -> None:
+                        while aged_count[0] < n:  # noqa: ASYNC110
+                            await asyncio.sleep(0.2)
+
+                    await until_aged(all_there(), lambda: sum(
+                        x[0].outputs for x in opened.values() if x))
                 wrapper.open = False
         elif feed == "aged":
             aged_sessions.clear()

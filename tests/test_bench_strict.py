@@ -23,6 +23,7 @@ from bench.voxtral_age import (
     lead_frames,
     stagger_tail,
     step_frames,
+    tail_steps,
 )
 
 pytestmark = pytest.mark.unit
@@ -83,12 +84,14 @@ def test_staggered_ages_spread_over_the_reanchor_cycle() -> None:
     assert len({stagger_tail(i, 110, 0) for i in range(110)}) == 1
 
 
-@pytest.mark.parametrize("steps,tail", [(0, 0), (5, 0), (5, 384), (0, 256)])
+@pytest.mark.parametrize("steps,tail", [(0, 0), (5, 0), (5, 384), (0, 256), (2, 3968)])
 def test_ageing_steps_add_up(steps: int, tail: int) -> None:
     bulk = 768
     lead = lead_frames() if steps or tail else 0
     outputs = ageing_outputs(steps, tail=tail)
-    sizes = [step_frames(k, lead, bulk, steps, tail) for k in range(1, outputs)]
+    plan = [bulk] * steps + tail_steps(tail, bulk)
+    assert all(size <= bulk for size in plan)
+    sizes = [step_frames(k, lead, plan) for k in range(1, outputs)]
     # the first prompt's 8 look-ahead frames, the steps up to the last large one, settle
     assert 8 + sum(sizes) + 2 == ageing_frames(steps, bulk, tail=tail)
     if steps or tail:  # every large step starts on the re-anchor unit
