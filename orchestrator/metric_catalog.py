@@ -46,7 +46,7 @@ LABELS: dict[str, str] = {
               "(late, source-error, source-crash, ingest-restart; what a source said: "
               "rtmp-waiting, rtmp-disconnect, rtmp-takeover, srt-waiting, srt-disconnect, "
               "hls-missing, hls-stalled, hls-skipped, hls-restart, hls-discontinuity, "
-              "hls-bad-segment)",
+              "hls-bad-segment) or why audio was skipped (replacement, queue_full, shed)",
     "backend": "translation backend name (bergamot, apertium, openai-chat, vllm, none)",
     "state": "translation job state: waiting (not yet read) or pending (being worked on)",
     "component": "process part that saw the error: gateway",
@@ -108,6 +108,15 @@ CATALOG: tuple[MetricSpec, ...] = (
     _ray("babelcast_voiced_without_text_seconds", "gauge",
          "Speech seconds since the stream's current engine session last emitted text "
          "(the rut watchdog's view; resets on rollover)", "stream"),
+    _ray("babelcast_caption_lag_seconds", "gauge",
+         "How far behind real time the stream's captions are: audio seconds from the "
+         "oldest speech fed to its session and not yet recognised to the newest audio "
+         "(0 while it keeps up)", "stream"),
+    _ray("babelcast_audio_skipped_seconds_total", "counter",
+         "Seconds of speech never captioned because a policy skipped them (reason: "
+         "replacement, a stuck session's audio older than the replay ring or stuck twice; "
+         "queue_full, a session's input queue overflowed; shed, skipped to the live edge)",
+         "stream", "reason"),
     _ray("babelcast_rollovers_total", "counter",
          "Engine session rollovers by reason (budget, rut, engine_error, gap)",
          "stream", "reason"),

@@ -103,6 +103,7 @@ STREAM_COUNTERS: dict[str, str] = {
 STREAM_COUNTER_PREFIXES: dict[str, str] = {
     "rollovers_": "babelcast_rollovers_total",
     "source_gaps_": "babelcast_source_gaps_total",
+    "skipped_s_": "babelcast_audio_skipped_seconds_total",
 }
 """Keys `<prefix><reason>` → metrics labelled by stream and reason."""
 STREAM_GAUGES: dict[str, str] = {
@@ -112,6 +113,7 @@ STREAM_GAUGES: dict[str, str] = {
     "active": "babelcast_asr_stream_active",
     "source_silent_s": "babelcast_source_silent_seconds",
     "stall_threshold_s": "babelcast_stall_threshold_seconds",
+    "caption_lag_s": "babelcast_caption_lag_seconds",
 }
 ACTOR_COUNTERS: dict[str, str] = {
     "engine_busy_s": "babelcast_engine_busy_seconds_total",

@@ -291,3 +291,37 @@ async def test_an_actor_cut_off_cannot_write_once_another_took_its_stream(
                                                      if c.is_final}, "a caption left open"
     assert (await bus.get_status("talk"))["asr_actor"] == "asr-new"
     assert owners == ([], ["talk"]), owners
+
+
+async def test_a_stop_mid_sentence_makes_the_open_caption_final(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    """What SIGTERM does to an ASR actor (`babelcast run` stops each actor): the session
+    finishes what it heard and the sentence being spoken is published final, with its
+    text and audio times, and the cursor moves past it. Before, the stop left it open,
+    and a restart brought it back as an empty final (issue 36)."""
+    host = AsrHost(host_options(redis_url), real_engine())
+
+    async def partial_open() -> bool:
+        caps = await bus.captions_after("talk", "en", 0)
+        return bool(caps) and not caps[-1].is_final and bool(caps[-1].text)
+
+    try:
+        await asyncio.wait_for(host.start(), 60)
+        await host.add_stream(stream_options("talk"))
+        # room-b's first utterance runs to ~5.9 s: stop while it is being spoken.
+        feeding = asyncio.create_task(feed(bus, "talk", room_b[: 5 * SAMPLE_RATE * 2]))
+        await eventually(partial_open, CAPTIONS_TIMEOUT_S, "a partial on screen")
+        await feeding
+    finally:
+        await asyncio.wait_for(host.stop(), 30)
+    caps = await bus.captions_after("talk", "en", 0)
+    last = caps[-1]
+    assert last.is_final and last.text, "the open sentence was not made final"
+    assert 0 <= last.audio_start_s < last.audio_end_s <= 5.0
+    # Every segment ended final or withdrawn, and no final is empty.
+    ends = {c.segment_id: c for c in caps}
+    assert all(c.is_final or c.withdrawn for c in ends.values())
+    assert all(c.text for c in caps if c.is_final)
+    cursor = await bus.load_cursor("talk")
+    assert cursor is not None and cursor[1] == pytest.approx(last.audio_end_s)

@@ -108,12 +108,14 @@ async def test_a_stream_behind_real_time_moves_to_an_actor_that_keeps_up(
         slowed_at = time.monotonic()
         slowed_wall = time.time()
         behind_at: list[float] = []
+        lag_age: list[float | None] = []
 
         async def moved() -> bool:
             if not behind_at:
                 lag = (await slow.state.remote()).get("streams", {}).get("hall", {})
                 if lag.get("caption_lag_s", 0.0) > LAG_S:
                     behind_at.append(time.monotonic())
+                    lag_age.append(lag.get("caption_lag_age_s"))
             return runtime.router.pins == {"hall": "asr-1"} and \
                 await fast.streams.remote() == ["hall"]
 
@@ -150,10 +152,14 @@ async def test_a_stream_behind_real_time_moves_to_an_actor_that_keeps_up(
           f"supervisor could first see it {LAG_S} s behind; longest caption silence "
           f"{silence:.1f} s, WER {wer:.3f}, {len(finals)} finals")
     assert moved_s <= 15.0, "the stream must move within 15 s of its actor slowing down"
+    # Seen behind on the live lag (the speech not yet recognised: age 0), not on the
+    # latency of a caption that came out late.
+    assert lag_age == [0.0], lag_age
     assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
     ids = [c.segment_id for c in finals]
     assert ids == sorted(set(ids)), "a caption was made final twice"
-    assert {c.segment_id for c in caps} == set(ids), "a caption was left open"
+    withdrawn = {c.segment_id for c in caps if c.withdrawn}
+    assert {c.segment_id for c in caps} == set(ids) | withdrawn, "a caption was left open"
     assert silence <= 8.0
     assert wer <= 0.15, text
 

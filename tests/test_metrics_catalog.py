@@ -115,10 +115,10 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
         "room-a",
         {"rollovers_rut": 1, "rut_recoveries": 1, "gaps": 2, "gap_fill_s": 0.5,
          "session_errors": 1, "asr_audio_s": 1.0, "sessions_opened": 3, "stalls": 1,
-         "late_audio_dropped_s": 0.2},
+         "late_audio_dropped_s": 0.2, "skipped_s_replacement": 0.0},
         {"voiced_without_text_s": 2.0, "speech_without_caption_s": 4.0,
          "last_caption_at": 1.7e9, "active": 1.0, "source_silent_s": 3.0,
-         "stall_threshold_s": 1.25})
+         "stall_threshold_s": 1.25, "caption_lag_s": 12.5})
     asr.caption_published("room-a", True, 1.2)
     asr.caption_published("room-a", False, 0.4)
     asr.caption_published("room-a", True, None)
@@ -141,6 +141,9 @@ def test_ray_sinks_record_every_actor_metric_with_its_catalog_labels(
     by = {(n, tuple(sorted(t.items()))): v for n, op, v, t in records if op != "observe"}
     assert by[("babelcast_rollovers_total", (("reason", "rut"), ("stream", "room-a")))] == 1
     assert by[("babelcast_asr_stream_active", (("actor", "asr-0"), ("stream", "room-a")))] == 1
+    assert by[("babelcast_caption_lag_seconds", (("stream", "room-a"),))] == 12.5
+    assert by[("babelcast_audio_skipped_seconds_total",
+               (("reason", "replacement"), ("stream", "room-a")))] == 0.0
     assert by[("babelcast_source_gaps_total",
                (("reason", "source-error"), ("stream", "room-a")))] == 1
     assert by[("babelcast_translation_queue_jobs", (("state", "waiting"),))] == 5

@@ -218,6 +218,8 @@ async def test_ingest_reports_reconnects_gaps_and_audio(redis_url: str, bus: Red
     assert all(sink.counters[("flaky", f"source_gaps_{r}")] == 0.0
                for r in INGEST_GAP_REASONS if r != "source-error")
     assert sink.counters[("flaky", "source_audio_s")] == pytest.approx(1.5)
+    # Never refused: its series exists anyway, at 0 (a dashboard panel and an alert read it).
+    assert sink.counters[("flaky", "source_refused")] == 0.0
 
 
 def test_every_reported_key_reaches_a_catalog_metric(asr_run: AsrRun) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from workers.aio import cancel_and_join, cancel_and_wait
+from workers.aio import cancel_and_join, cancel_and_wait, wait_for
 from workers.backlog import BacklogGuard
 from workers.bus import RETRYABLE, RedisBus, connect_redis, cursor_key, entry_ms, retry_redis
 from workers.captions.segmenter import Segmenter
@@ -38,12 +38,26 @@ from workers.events import (
     TranscriptDelta,
     TranslationJob,
 )
-from workers.sessions.manager import ROLLOVER_REASONS, SessionManager, SessionPolicy
+from workers.sessions.manager import (
+    ROLLOVER_REASONS,
+    SKIP_REASONS,
+    SessionManager,
+    SessionPolicy,
+)
 from workers.telemetry import MetricsSink
 
 log = logging.getLogger(__name__)
 
-ZERO_AT_START = ("gaps", "rut_recoveries", "session_errors")
+LAG_BEHIND_S = 10.0
+"""A stream whose captions are more than this behind real time counts as behind (the
+actor's `streams_behind`, the live view, the CaptionsBehind alert)."""
+
+FINISH_S = 5.0
+"""How long a stop waits for the streams' sessions to finish what they heard (the
+runtime gives an actor's stop 10 s)."""
+
+ZERO_AT_START = ("gaps", "rut_recoveries", "session_errors", "stalls", "gap_fill_s",
+                 "late_audio_dropped_s")
 """Stream counters reported at 0 when the stream starts (with `rollovers_<reason>`)."""
 
 
@@ -128,10 +142,21 @@ class _StreamRunner:
         # when that was (the supervisor moves a stream that stays behind; see health()).
         self.caption_lag_s: float | None = None
         self.caption_lag_at = 0.0
+        # The latest partial with text, while its segment is open: a graceful stop
+        # makes it final as shown if the session could not finish it.
+        self._open_seg: CaptionSegment | None = None
 
     @property
     def bus(self) -> RedisBus:
         return self.host.bus
+
+    def lag_s(self) -> float | None:
+        """How far behind real time the stream's captions are, now: the session
+        manager's figure (the oldest speech fed and not yet recognised, to the newest
+        audio), which grows while captions stall; for an engine that does not say how
+        far it has heard, the latency of the latest caption with text."""
+        live = None if self.session is None else self.session.gauges.get("caption_lag_s")
+        return live if live is not None else self.caption_lag_s
 
     async def start(self, resumed: bool = False) -> None:
         """`resumed`: the audio after the previous owner's last final is read again, so
@@ -178,7 +203,8 @@ class _StreamRunner:
         sink = self.host.metrics
         if sink is None:
             return
-        keys = [*ZERO_AT_START, *(f"rollovers_{r}" for r in ROLLOVER_REASONS)]
+        keys = [*ZERO_AT_START, *(f"rollovers_{r}" for r in ROLLOVER_REASONS),
+                *(f"skipped_s_{r}" for r in SKIP_REASONS)]
         try:
             sink.stream_update(self.opts.stream_id, dict.fromkeys(keys, 0.0), {})
         except Exception as exc:
@@ -237,6 +263,7 @@ class _StreamRunner:
                                      what=f"stream {self.opts.stream_id}", log=log):
                 raise Fenced(self.opts.stream_id)
             self._count_caption(seg)
+            self._open_seg = seg if not seg.is_final and seg.text else None
             fields: dict[str, str | float | int] = {
                 "asr_state": "captioning",
                 "last_caption_at": seg.emit_time,
@@ -358,6 +385,9 @@ class _StreamRunner:
         fields: dict[str, str | float | int] = {k: round(v, 3) for k, v in counters.items()}
         fields.update(gauges)
         fields["speech_without_caption_s"] = round(self._speech_since_caption, 1)
+        lag = self.lag_s()
+        if lag is not None:
+            fields["caption_lag_s"] = round(lag, 1)
         await self.bus.set_status(self.opts.stream_id, **fields)
         if sink is not None:
             failures = self.failures - self._failures_exported
@@ -365,12 +395,41 @@ class _StreamRunner:
             extra = {"session_errors": float(failures), "asr_audio_s": self._audio_unexported}
             self._audio_unexported = 0.0
             metric_gauges = {**gauges, "speech_without_caption_s": self._speech_since_caption,
-                             "active": 1.0}
+                             "active": 1.0, "caption_lag_s": lag or 0.0}
             if self._last_caption_at:
                 metric_gauges["last_caption_at"] = self._last_caption_at
             sink.stream_update(self.opts.stream_id,
                                {**delta, **{k: v for k, v in extra.items() if v}},
                                metric_gauges)
+
+    async def finish(self, timeout_s: float) -> None:
+        """A graceful stop: the session is told its input ended, so it finishes what it
+        heard (its last words become finals); within `timeout_s`. A caption still open
+        then is made final as it was shown: a stop never leaves a sentence open, nor
+        lost from the archive (issue 36: after SIGTERM it came back empty)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self.session is not None and self.task is not None and not self.task.done():
+            with contextlib.suppress(TimeoutError):
+                await wait_for(self.session.end_input(), timeout_s)
+                await wait_for(asyncio.shield(self.task), max(0.1, deadline - loop.time()))
+        if self.task is not None and not self.task.done():
+            await self.stop()  # nothing more comes from the session
+        open_seg, self._open_seg = self._open_seg, None
+        if open_seg is None or self.segmenter is None:
+            return
+        closed = self.segmenter.close(open_seg)
+        try:
+            if await wait_for(self.bus.publish_caption(closed, self.owner,
+                                                       self._cursor_for(closed)),
+                              max(0.5, deadline - loop.time())):
+                await self._enqueue_translation(closed)
+        except TimeoutError:
+            log.warning("stream %s: open caption not closed at stop: Redis timed out",
+                        self.opts.stream_id)
+        except RETRYABLE as exc:
+            log.warning("stream %s: open caption not closed at stop: %s",
+                        self.opts.stream_id, type(exc).__name__)
 
     async def stop(self) -> None:
         if self.task is not None and not await cancel_and_wait(self.task, 5):
@@ -516,18 +575,34 @@ class AsrHost:
             "actor_id": self.options.actor_id,
             "streams": {sid: self._stream_health(r) for sid, r in self._runners.items()},
             "engine_ok": self.engine_ok,
+            **self.lag_summary(),
             **self.engine.describe(),
         }
 
     @staticmethod
     def _stream_health(runner: _StreamRunner) -> dict[str, float | int]:
-        """`caption_lag_s`: how far behind real time the stream's latest caption with
-        text came out, and `caption_lag_age_s` how long ago (absent before the first)."""
+        """`caption_lag_s`: how far behind real time the stream's captions are
+        (`_StreamRunner.lag_s`), and `caption_lag_age_s` how old that figure is: 0 for
+        the live one, else the age of the caption it was measured on (absent before
+        the first)."""
         out: dict[str, float | int] = {"failures": runner.failures}
-        if runner.caption_lag_s is not None:
+        live = None if runner.session is None else runner.session.gauges.get("caption_lag_s")
+        if live is not None:
+            out["caption_lag_s"] = round(live, 3)
+            out["caption_lag_age_s"] = 0.0
+        elif runner.caption_lag_s is not None:
             out["caption_lag_s"] = round(runner.caption_lag_s, 3)
             out["caption_lag_age_s"] = round(max(0.0, time.time() - runner.caption_lag_at), 3)
         return out
+
+    def lag_summary(self, behind_s: float = LAG_BEHIND_S) -> dict[str, float | int]:
+        """The actor's health as its streams see it: the worst stream's lag and how
+        many streams are more than `behind_s` behind real time. An engine can decode
+        fast (a low RTF) while its streams fall behind (more streams than it carries,
+        a stuck queue); issue 36: `rtf 0.32` read healthy for a room 30 s behind."""
+        lags = [lag for r in self._runners.values() if (lag := r.lag_s()) is not None]
+        return {"max_caption_lag_s": round(max(lags, default=0.0), 1),
+                "streams_behind": sum(1 for lag in lags if lag > behind_s)}
 
     async def _read_loop(self) -> None:
         while True:
@@ -575,7 +650,8 @@ class AsrHost:
                 stats = self.engine.stats()
                 await self.bus.set_actor_status(
                     self.options.actor_id,
-                    {**stats, **self.engine.describe(), "streams": len(self._runners),
+                    {**stats, **self.engine.describe(), **self.lag_summary(),
+                     "streams": len(self._runners),
                      "max_streams": self.options.max_streams,
                      "audio_s": round(self.audio_s, 3), "engine_ok": int(self.engine_ok)},
                 )
@@ -604,10 +680,15 @@ class AsrHost:
             gauges["engine_reanchoring"] = stats["reanchoring"]
         self.metrics.actor_update(self.options.actor_id, counters, gauges)
 
-    async def stop(self) -> None:
+    async def stop(self, finish_s: float = FINISH_S) -> None:
+        """Stop reading, let every stream finish what it heard (in parallel, within
+        `finish_s`: its last words and open caption become finals), then close."""
         for task in (self._reader, self._reporter):
             if task is not None:
                 await cancel_and_join(task)
+        if finish_s > 0 and self._runners:
+            await asyncio.gather(*(r.finish(finish_s) for r in self._runners.values()),
+                                 return_exceptions=True)
         for stream_id in list(self._runners):
             await self.remove_stream(stream_id)
         await self.engine.aclose()

@@ -350,9 +350,11 @@ class IngestHost:
         except ValueError as exc:  # a URL validation should have refused
             await self._set(stream, "failed", source_error=str(exc))
             return
-        # Every gap series exists from the start, at 0 (dashboards, rate() alerts).
-        self._count(stream, {f"source_gaps_{r}": 0.0
-                             for r in (*INGEST_GAP_REASONS, *source.gap_reasons)})
+        # Every gap, reconnect and refusal series exists from the start, at 0 (dashboards,
+        # rate() alerts).
+        self._count(stream, {**{f"source_gaps_{r}": 0.0
+                                for r in (*INGEST_GAP_REASONS, *source.gap_reasons)},
+                             "source_reconnects": 0.0, "source_refused": 0.0})
         if source.resumable:
             await self._resume(stream, source)
         while True:

@@ -29,6 +29,8 @@ from workers.events import CaptionSegment
 log = logging.getLogger(__name__)
 
 READ_COUNT = 200
+DRAIN_S = 3.0
+"""How long closing waits for the outputs to write what Redis already holds."""
 
 
 def youtube_state_key(stream: str, lang: str) -> str:
@@ -211,7 +213,24 @@ class OutputsRunner:
         # YouTube shows captions live only: a restarted sink starts at the live edge.
         return YoutubeSinkAdapter(sink, after_seq=latest_seq)
 
-    async def aclose(self) -> None:
+    async def aclose(self, drain_s: float = DRAIN_S) -> None:
+        """Close the outputs once they hold what Redis holds (within `drain_s`): a stop
+        publishes the open captions' finals just before (`AsrHost.stop`), and those
+        belong in the archive (issue 36: the sentence open at SIGTERM was missing)."""
+        if self._task is not None and not self._task.done() and drain_s > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + drain_s
+            for stream, lang in list(self.sinks):
+                try:
+                    latest = await self.bus.last_seq(stream, lang)
+                except Exception as exc:  # Redis away: close with what was read
+                    log.warning("outputs: cannot read %s/%s at close: %s", stream, lang,
+                                type(exc).__name__)
+                    break
+                if not await self.caught_up(stream, lang, latest,
+                                            max(0.0, deadline - loop.time())):
+                    log.warning("outputs: %s/%s closed before seq %d was written",
+                                stream, lang, latest)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
