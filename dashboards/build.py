@@ -166,6 +166,12 @@ def fleet() -> dict[str, Any]:
         panel("timeseries", "Speech → partial, p95", [target(
             p95("ray_babelcast_caption_latency_seconds", "stream", f'kind="partial",{S}'),
             "{{stream}}")], unit="s", thresholds=steps(OK, ("orange", 2))),
+        panel("timeseries", "Captions behind real time", [target(
+            f"max by (stream) (ray_babelcast_caption_lag_seconds{{{S}}})", "{{stream}}")],
+            unit="s", thresholds=steps(OK, ("orange", 5), ("red", 10)),
+            description="Audio seconds from the oldest speech a room's session has not yet "
+                        "recognised to the newest audio: above 10 for a minute the "
+                        "CaptionsBehind alert fires (its actor carries more than it can)."),
         panel("timeseries", "Finals per minute", [target(
             f'sum by (stream) (rate(ray_babelcast_captions_published_total{{kind="final",{S}}}'
             f"[{RI}])) * 60", "{{stream}}")], unit="short"),
@@ -230,6 +236,15 @@ def room() -> dict[str, Any]:
             thresholds=steps(OK, ("red", 30)),
             description="Speech seconds with nothing captioned; the engine's count restarts "
                         "at each rollover, the room's only at a caption."),
+        panel("timeseries", "Behind real time and speech skipped", [
+            target(f"max by (stream) (ray_babelcast_caption_lag_seconds{{{S}}})",
+                   "{{stream}} behind"),
+            target(f"sum by (stream, reason) (increase("
+                   f"ray_babelcast_audio_skipped_seconds_total{{{S}}}[5m]))",
+                   "{{stream}} skipped ({{reason}}), 5 min")], unit="s",
+            thresholds=steps(OK, ("red", 10)),
+            description="How far behind the room's captions are, and speech never captioned "
+                        "because a policy skipped it (should stay 0)."),
         panel("timeseries", "Gateway delivery p95", [target(
             p95("babelcast_gateway_caption_delivery_seconds", "stream, kind", S),
             "{{stream}} {{kind}}")], unit="s"),

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from orchestrator.config import EventConfig
+from orchestrator.status import BEHIND_S, room_state
 from workers.aio import wait_for
 from workers.bus import RedisBus
 
@@ -44,7 +45,9 @@ class LiveView:
                              f"   (babelcast tail {s.id} --lang {target} --url {self.base})")
         return lines
 
-    async def rows(self) -> list[tuple[str, str, str, str, str, str, str]]:
+    async def rows(self) -> list[tuple[str, str, str, str, str, str, str, str]]:
+        """(stream, source, state, actor, finals, final latency, lag, last caption): the
+        state is the room's as `babelcast status` says it (status.room_state)."""
         out = []
         for s in self.cfg.streams:
             lang = s.language if s.language != "auto" else "src"
@@ -53,9 +56,15 @@ class LiveView:
                 last = await self.bus.last_caption(s.id, lang)
             except Exception as exc:
                 st, last = {"source_state": f"redis: {type(exc).__name__}"}, None
-            state = st.get("asr_state", "waiting")
+            state = room_state(st)
             if s.id in self.unplaced:
                 state = "UNPLACED"
+            lag = st.get("caption_lag_s", "-")
+            try:
+                if float(lag) > BEHIND_S and state == "captioning":
+                    lag += " BEHIND"
+            except ValueError:
+                pass
             out.append((
                 s.id,
                 st.get("source_state", "-") + (" ⚠" if st.get("source_error") else ""),
@@ -63,13 +72,15 @@ class LiveView:
                 st.get("asr_actor", "-"),
                 str(int(float(st.get("finals", 0)))),
                 st.get("last_final_latency_s", "-"),
+                lag,
                 (last.text if last else "")[-70:],
             ))
         return out
 
-    def table(self, rows: list[tuple[str, str, str, str, str, str, str]]) -> Table:
+    def table(self, rows: list[tuple[str, str, str, str, str, str, str, str]]) -> Table:
         t = Table(title=f"Babelcast — {self.cfg.event}", expand=True)
-        for col in ("stream", "source", "asr", "actor", "finals", "final lat s", "last caption"):
+        for col in ("stream", "source", "state", "actor", "finals", "final lat s", "lag s",
+                    "last caption"):
             t.add_column(col, overflow="ellipsis", no_wrap=True)
         for r in rows:
             t.add_row(*r)
@@ -89,8 +100,10 @@ class LiveView:
             print(header, flush=True)
             while not stop.is_set():
                 for r in await self.rows():
-                    print(f"{time.strftime('%H:%M:%S')} {r[0]} source={r[1]} asr={r[2]} "
-                          f"actor={r[3]} finals={r[4]} final_latency_s={r[5]}", flush=True)
+                    print(f"{time.strftime('%H:%M:%S')} {r[0]} state=\"{r[2]}\" "
+                          f"source={r[1]} actor={r[3]} finals={r[4]} "
+                          f"final_latency_s={r[5]} lag_s={r[6].replace(' ', '_')}",
+                          flush=True)
                 with contextlib.suppress(TimeoutError):
                     await wait_for(stop.wait(), 5)
             return

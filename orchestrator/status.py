@@ -24,6 +24,13 @@ STALE_S = 15.0
 """An actor whose hash was not updated for this long is reported as silent (actors
 report every second)."""
 
+BEHIND_S = 10.0
+"""A room whose captions are more than this behind real time is shown as behind, with
+what to do (`workers.asr.LAG_BEHIND_S`, the CaptionsBehind alert's bound)."""
+
+BEHIND_ADVICE = ("fewer streams per ASR actor (engine.streams_per_actor), more actors, "
+                 "or a smaller model")
+
 LOST_SOURCE_STATES = frozenset({"idle", "reconnecting"})
 """Ingest states in which no audio comes although the stream runs: the room says `source
 lost` (or `waiting for source` before its first caption), as it does while the ASR side
@@ -45,6 +52,29 @@ def room_state(st: Mapping[str, str]) -> str:
     if silent or source in LOST_SOURCE_STATES:
         return "source lost" if asr == "captioning" else "waiting for source"
     return asr
+
+
+def typed_status(st: Mapping[str, str]) -> dict[str, Any]:
+    """A stream's status hash for JSON: numbers as numbers (Redis keeps strings: a count
+    read "2.0"; counts become integers), the room's `state` as `status` says it, and
+    `asr_state` that does not say `captioning` once the source has ended."""
+    out: dict[str, Any] = {}
+    for key, raw in st.items():
+        try:
+            value = float(raw)
+        except ValueError:
+            out[key] = raw
+            continue
+        if value != value or value in (float("inf"), float("-inf")):
+            out[key] = raw  # not a JSON number
+        elif value.is_integer() and not key.endswith(("_s", "_at")):
+            out[key] = int(value)  # a count (seconds and times stay floats)
+        else:
+            out[key] = value
+    out["state"] = room_state(st)
+    if out["state"] == "ended" and st.get("asr_state") == "captioning":
+        out["asr_state"] = "ended"
+    return out
 
 
 def _num(fields: Mapping[str, str], key: str) -> float | None:
@@ -106,6 +136,9 @@ async def _stream(bus: RedisBus, o: StreamOptions, clients: Mapping[tuple[str, s
         "last_final_latency_s": _round(_num(st, "last_final_latency_s")),
         "finals": int(_num(st, "finals") or 0),
         "speech_without_caption_s": _round(_num(st, "speech_without_caption_s"), 1),
+        # How far behind real time its captions are (None before its ASR reports).
+        "caption_lag_s": _round(_num(st, "caption_lag_s"), 1),
+        "behind": (_num(st, "caption_lag_s") or 0.0) > BEHIND_S and state == "captioning",
         "rollovers": int(sum(float(v) for k, v in st.items() if k.startswith("rollovers_"))),
         "gaps": int(_num(st, "gaps") or 0),
         # Source stalls the ASR side filled, the filler fed, and real audio that came
@@ -148,7 +181,11 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
                    engine_mode=h.get("engine_mode"),
                    # why a vllm engine rolls over although re-anchoring was asked for
                    engine_mode_why=h.get("engine_mode_why") or None,
-                   reanchors=int(_num(h, "reanchors") or 0) if "reanchors" in h else None)
+                   reanchors=int(_num(h, "reanchors") or 0) if "reanchors" in h else None,
+                   # Its streams' view of its health: a fast engine can still leave them
+                   # behind (more streams than it carries).
+                   max_caption_lag_s=_round(_num(h, "max_caption_lag_s"), 1),
+                   streams_behind=int(_num(h, "streams_behind") or 0))
     elif out["role"] == "translator":
         out.update(finals_published=int(_num(h, "finals_published") or 0),
                    errors=int(_num(h, "errors") or 0),
@@ -223,11 +260,17 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
                      _s(s["last_caption_age_s"], " s ago"), _s(s["last_final_latency_s"],
                                                                digits=2),
                      str(s["finals"]), _s(s["speech_without_caption_s"]),
+                     _s(s.get("caption_lag_s")) + (" BEHIND" if s.get("behind") else ""),
                      str(s.get("stalls", 0)), _s(s.get("filler_s")),
                      _s(s.get("dropped_audio_s")), str(s["rollovers"]), str(s["clients"])))
     lines += _table(("ROOM", "STATE", "SOURCE", "ACTOR", "LAST CAPTION", "FINAL LATENCY",
-                     "FINALS", "SPEECH W/O CAPTION", "STALLS", "FILLER", "DROPPED",
+                     "FINALS", "SPEECH W/O CAPTION", "LAG", "STALLS", "FILLER", "DROPPED",
                      "ROLLOVERS", "CLIENTS"), rows)
+    behind = [s for s in status["streams"] if s.get("behind")]
+    if behind:
+        lines += ["", "Behind real time: " + ", ".join(
+            f"{s['id']} {s['caption_lag_s']:.0f} s (on {s['actor'] or '-'})" for s in behind)
+            + f". Captions come late but no speech is dropped; {BEHIND_ADVICE}."]
     tr = status["translation"]
     per_room = [(s["id"], lang, t) for s in status["streams"]
                 for lang, t in s["translations"].items()]
@@ -252,6 +295,8 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
         elif a["role"] == "asr":
             load = f"{a['streams']}/{a['max_streams']} streams"
             parts = [f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else "",
+                     f"{a['streams_behind']} behind (max lag {a['max_caption_lag_s']:.0f} s)"
+                     if a.get("streams_behind") else "",
                      "ENGINE DEAD" if a.get("engine_ok") is False else "",
                      a.get("engine_mode") or ""]
             if a.get("engine_mode_why"):

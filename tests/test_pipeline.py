@@ -91,10 +91,12 @@ async def collect_talk_finals(event: Event) -> list[dict[str, Any]]:
                 msg = json.loads(await asyncio.wait_for(ws.recv(), 4.0))
             except TimeoutError:
                 status = (await http.get("/v1/streams/talk")).json()["status"]
-                if status.get("source_state") == "ended" and out and out[-1]["is_final"]:
+                if status.get("source_state") == "ended" and out and (
+                        out[-1]["is_final"] or out[-1]["type"] == "withdraw"):
                     return out
                 continue
-            assert msg["type"] == "caption", msg
+            # A withdraw takes back a partial never confirmed (segmenter.py).
+            assert msg["type"] in ("caption", "withdraw"), msg
             out.append(msg)
 
 
@@ -120,6 +122,11 @@ def test_seq_is_contiguous_and_finals_are_never_revised(
         assert m["segment_id"] not in final_ids, "a final segment was published again"
         if m["is_final"]:
             final_ids.add(m["segment_id"])
+            # Never an empty or untimed final (issue 36).
+            assert m["text"] and 0 <= m["audio_start_s"] < m["audio_end_s"], m["seq"]
+        if m["type"] == "withdraw":
+            final_ids.add(m["segment_id"])
+            assert not m["text"] and not m["is_final"]
         for line in m["lines"]:
             assert len(line) <= 42
         assert len(m["lines"]) <= 2
@@ -168,7 +175,11 @@ def test_broken_source_is_reported_and_does_not_disturb_others(
     assert "127.0.0.1" in status["source_error"]
     listing = {s["id"]: s for s in httpx.get(f"{event.base}/v1/streams").json()}
     assert set(listing) == {"talk", "broken", "pushed"}
-    assert listing["talk"]["status"]["asr_state"] == "captioning"
+    # Its source has ended (the fixture waited for it): so has its captioning, and the
+    # counts are numbers.
+    assert listing["talk"]["status"]["asr_state"] == "ended"
+    assert listing["talk"]["status"]["state"] == "ended"
+    assert isinstance(listing["talk"]["status"]["finals"], int)
 
 
 def test_client_reconnecting_with_since_gets_exactly_what_it_missed(

@@ -41,7 +41,7 @@ async def seed(bus: RedisBus, now: float) -> None:
     await bus.set_status("hall", placement="asr-0", asr_state="captioning", asr_actor="asr-0",
                          source_state="live", last_caption_at=now - 2.0,
                          last_final_latency_s=1.25, speech_without_caption_s=0.0,
-                         rollovers_rut=1, rollovers_budget=2, gaps=3)
+                         rollovers_rut=1, rollovers_budget=2, gaps=3, caption_lag_s=23.4)
     for _ in range(7):
         await bus.incr_status("hall", "finals")
     await bus.set_status("annex", placement="unplaced")
@@ -49,7 +49,8 @@ async def seed(bus: RedisBus, now: float) -> None:
     pt = caption(1, 1, SECRET, 0.0, 1.0, stream="hall", lang="pt", wall=now - 1.5)
     await bus.publish_caption(pt)
     await bus.set_actor_status("asr-0", {"streams": 1, "max_streams": 2, "decode_busy_s": 30.0,
-                                         "audio_s": 120.0})
+                                         "audio_s": 120.0, "max_caption_lag_s": 23.4,
+                                         "streams_behind": 1})
     await bus.set_actor_status("translator-0", {
         "kind": "translator", "finals_published": 14, "errors": 1, "lag_p50_s": 0.4,
         "lag_p95_s": 0.9, "lag_p50_s_pt": 0.5, "lag_p95_s_pt": 1.1, "queue_lag": 3,
@@ -101,6 +102,7 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert 1.5 <= hall["last_caption_age_s"] <= 10
     assert hall["last_final_latency_s"] == 1.25 and hall["finals"] == 7
     assert hall["rollovers"] == 3 and hall["gaps"] == 3 and hall["clients"] == 1
+    assert hall["caption_lag_s"] == 23.4 and hall["behind"] is True
     assert hall["translations"]["pt"]["speech_to_translation_s"] == pytest.approx(1.5, abs=0.2)
     assert hall["translations"]["es"]["last_age_s"] is None
     assert annex["state"] == "unplaced"
@@ -113,6 +115,9 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert actors["asr-4"]["engine_mode_why"] == INT4
     assert actors["asr-3"]["engine_mode_why"] is None
     assert actors["asr-0"]["rtf"] == 0.25 and not actors["asr-0"]["silent"]
+    # A fast engine (rtf 0.25) whose stream is 23 s behind does not read healthy.
+    assert actors["asr-0"]["streams_behind"] == 1
+    assert actors["asr-0"]["max_caption_lag_s"] == 23.4
     assert actors["asr-9"]["silent"]
     assert actors["translator-0"]["queue_waiting"] == 3
     assert body["translation"]["languages"] == {"pt": {"lag_p50_s": 0.5, "lag_p95_s": 1.1}}
@@ -128,6 +133,10 @@ async def test_status_reports_rooms_translation_actors_and_clients(
     assert "3 waiting, 1 in progress" in out
     assert any(line.split()[:4] == ["hall", "pt", "0.50", "s"] for line in out.splitlines())
     assert "1/2 streams" in out and "rtf 0.25" in out and "SILENT" in out
+    assert "1 behind (max lag 23 s)" in out
+    assert "23.4 s BEHIND" in hall_line
+    behind = next(line for line in out.splitlines() if line.startswith("Behind real time:"))
+    assert "hall 23 s (on asr-0)" in behind and "streams_per_actor" in behind
     asr3 = next(line for line in out.splitlines() if line.startswith("asr-3 "))
     assert "ENGINE DEAD" in asr3 and "reanchor" in asr3 and "12 re-anchors" in asr3
     assert "re-anchoring off" not in asr3
@@ -216,3 +225,18 @@ def test_room_state_tells_the_truth_about_the_source() -> None:
     assert room_state({"asr_state": "captioning", "source_state": "ended",
                        "source_silent_s": "30"}) == "ended"
     assert room_state({"placement": "unplaced", "source_state": "idle"}) == "unplaced"
+
+
+def test_the_stream_json_has_numbers_and_says_ended_once_the_source_ended() -> None:
+    from orchestrator.status import typed_status
+
+    st = typed_status({"rollovers_rut": "2.0", "finals": "12", "caption_lag_s": "3.0",
+                       "last_final_latency_s": "1.25", "asr_state": "captioning",
+                       "source_state": "ended", "asr_actor": "asr-0", "source_note": ""})
+    assert st["rollovers_rut"] == 2 and isinstance(st["rollovers_rut"], int)
+    assert st["finals"] == 12 and st["caption_lag_s"] == 3.0
+    assert isinstance(st["caption_lag_s"], float) and st["last_final_latency_s"] == 1.25
+    assert st["asr_state"] == "ended" and st["state"] == "ended"
+    assert st["asr_actor"] == "asr-0" and st["source_note"] == ""
+    assert typed_status({"asr_state": "captioning", "source_state": "live"})["asr_state"] == \
+        "captioning"

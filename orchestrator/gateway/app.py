@@ -67,6 +67,7 @@ from orchestrator.gateway.publish import push_audio_ws, realtime_ws
 from orchestrator.gateway.transcripts import Format, Profile, TranscriptExporter
 from orchestrator.outputs.hls import HlsOptions, HlsTrack
 from orchestrator.status import collect as collect_status
+from orchestrator.status import typed_status
 from workers.bus import cancel_safe
 
 __all__ = ["GatewayStream", "create_app"]
@@ -152,7 +153,8 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
             "targets": list(o.targets),
             "source_kind": gs.source_kind,
             "captions_ws": f"/v1/streams/{o.stream_id}/captions?lang={o.caption_lang}",
-            "status": status,
+            # Numbers as numbers, the room's state, and the captions' lag (status.py).
+            "status": typed_status(status),
         }
 
     @app.get("/livez")
