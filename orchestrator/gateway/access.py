@@ -75,8 +75,14 @@ class Access:
 
     def http(self, request: Request, check: Check, what: str) -> Principal:
         """The caller's principal, or HTTPException 401/403."""
+        return self.http_headers(request.headers, request.query_params, check, what)
+
+    def http_headers(self, headers: object, query: object, check: Check,
+                     what: str) -> Principal:
+        """As `http`, from the request's headers and query alone (`body_guard` checks
+        before a byte of the body is read)."""
         try:
-            p, _ = self.principal(request.headers, request.query_params)
+            p, _ = self.principal(headers, query)
         except AuthError as exc:
             raise HTTPException(401, str(exc), headers={"WWW-Authenticate": "Bearer"}) from None
         if p is None or (p is PUBLIC_VIEWER and not check(p)):

@@ -57,6 +57,7 @@ from orchestrator.gateway.access import (
     is_admin,
 )
 from orchestrator.gateway.auth import MAX_MINT_TTL_S, Principal
+from orchestrator.gateway.body_guard import BodyGuard, BodyRoute
 from orchestrator.gateway.captions_ws import captions_ws
 from orchestrator.gateway.context import GatewayContext, GatewayStream
 from orchestrator.gateway.health import readiness
@@ -73,6 +74,10 @@ from workers.bus import cancel_safe
 __all__ = ["GatewayStream", "create_app"]
 
 log = logging.getLogger(__name__)
+
+
+MAX_TOKEN_REQUEST_BYTES = 64 * 1024
+"""256 stream ids and 64 languages, as JSON, fit with room to spare."""
 
 
 class TokenRequest(BaseModel):
@@ -103,6 +108,10 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
     access = Access(security)
     ctx = GatewayContext(streams, access, engine_profiles)
     by_id = ctx.by_id
+    for gs in by_id.values():  # its series exist from the start (orchestrator.metrics)
+        metrics.zero_stream_series(gs.options.stream_id,
+                                   (gs.options.caption_lang, *gs.options.targets),
+                                   push=gs.source_kind == "push")
     exporter = TranscriptExporter(ctx)
     figures = GatewayMetrics(group, worker_index)
 
@@ -129,6 +138,15 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
 
     app = FastAPI(title="Babelcast gateway", lifespan=lifespan, docs_url=None,
                   redoc_url=None)
+    # Token and size before a byte of any body is read (see body_guard).
+    app.add_middleware(BodyGuard, access=access, timeout_s=security.limits.body_timeout_s,
+                       routes={
+                           ("POST", "/v1/tokens"): BodyRoute(
+                               MAX_TOKEN_REQUEST_BYTES, is_admin, "minting tokens"),
+                           ("POST", "/v1/admin/apply"): BodyRoute(
+                               admin_apply.MAX_BODY_BYTES + 4096, is_admin,
+                               "applying an event file"),
+                       })
 
     def require(request: Request, check: Any, what: str) -> Principal:
         try:

@@ -27,8 +27,8 @@ from orchestrator.gateway.access import (
     Admitted,
     can_publish,
     error_text,
-    origin_allowed,
 )
+from orchestrator.gateway.auth import Principal
 from orchestrator.gateway.context import GatewayContext, GatewayStream
 from orchestrator.gateway.limits import AudioPacer, CapExceeded, RateLimited
 from orchestrator.gateway.publishers import PublisherLease
@@ -43,13 +43,18 @@ MAX_PUSH_FRAME_BYTES = 64_000  # 2 s of PCM16 16 kHz; larger frames are refused
 REDIS_HOLD_S = 20.0
 
 
+def _any_publisher(p: Principal) -> bool:
+    return p.kind == "publish"
+
+
 async def _refuse_early(ws: WebSocket, ctx: GatewayContext, code: str, message: str,
                         close_code: int, *, realtime: bool = False) -> None:
-    """Refuse before admission (a stream that takes no push), Origin checked first."""
-    if not origin_allowed(ws.headers, ctx.access.security.allowed_origins):
-        await ws.close(code=1008)
+    """Refuse a stream that takes no push. Only to a caller holding a publish token: an
+    anonymous one gets 4401 first and learns nothing about the event's streams."""
+    admitted = await ctx.access.websocket(ws, _any_publisher, "pushing audio")
+    if admitted is None:
         return
-    await ws.accept()
+    ctx.access.release(admitted)
     with contextlib.suppress(Exception):
         await ws.send_text(error_event(code, message) if realtime else error_text(code, message))
         await ws.close(code=close_code)

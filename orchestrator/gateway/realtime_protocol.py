@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from orchestrator.gateway import json_bounds
+
 ERROR_CODES = (
     "invalid_json", "invalid_event", "model_not_found", "invalid_audio",
     "model_not_validated", "unknown_event", "processing_error",
@@ -53,7 +55,9 @@ class ProtocolError(Exception):
 
 def parse_client_event(raw: str) -> SessionUpdate | AudioAppend | AudioCommit:
     try:
-        data = json.loads(raw)
+        data = json_bounds.loads(raw)
+    except json_bounds.JsonTooDeep as exc:
+        raise ProtocolError("invalid_json", f"{exc}; events are flat objects") from None
     except (ValueError, TypeError):
         raise ProtocolError("invalid_json", "message is not valid JSON") from None
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):

@@ -114,6 +114,23 @@ class LimitsConfig(_Strict):
     max_connections: int = Field(
         default=4_096, ge=16,
         description="open connections one gateway worker serves; past it: HTTP 503")
+    max_pending_connections: int = Field(
+        default=1_024, ge=16,
+        description="connections one gateway worker holds that carry no request being "
+                    "served (headers not yet complete, or idle between requests); past it "
+                    "the oldest of them is closed, so they never take the places of "
+                    "requests being served (max_connections)")
+    body_timeout_s: float = Field(
+        default=10.0, gt=0, le=300.0,
+        description="a request body (POST /v1/tokens, /v1/admin/apply) must arrive whole "
+                    "within this many seconds of its headers; past it: HTTP 408 and the "
+                    "connection is closed")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="addresses or networks (CIDR) of reverse proxies whose "
+                    "X-Forwarded-For header names the client (per-address caps then count "
+                    "that client); default none: the header is ignored from everyone, "
+                    "loopback included")
     max_ws_per_ip: int = Field(
         default=256, ge=1, description="WebSockets one client address may hold open on one "
                                        "gateway worker")
@@ -124,6 +141,18 @@ class LimitsConfig(_Strict):
         default=1_000, ge=16,
         description="finals queued for one slow caption client before it is closed with "
                     "1013 (it resumes with since)")
+
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for item in v:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise _fail(f"{item!r} is not an IP address or network (e.g. 10.0.0.5 or "
+                            "10.0.0.0/24); name the proxies by address") from None
+        return v
 
 
 class StreamLike(Protocol):
