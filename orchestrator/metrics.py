@@ -7,6 +7,7 @@ rules say. Actor-side metrics are not here: the runtime's Ray sinks make them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
@@ -53,3 +54,26 @@ ARCHIVE_CUES: Counter = _make("babelcast_archive_cues_total")
 YOUTUBE_POSTS: Counter = _make("babelcast_youtube_posts_total")
 YOUTUBE_BACKLOG: Gauge = _make("babelcast_youtube_backlog_finals")
 OUTPUT_ERRORS: Counter = _make("babelcast_output_errors_total")
+
+# Every series a panel or an alert reads exists from the start, at 0: one that first
+# appears at its first event reads "No data" and a rate() alert misses that increment.
+# Labels with a fixed set of values are made here; those labelled by stream when the
+# gateway learns its streams (`zero_stream_series`).
+for _component in ("gateway", "outputs"):
+    REDIS_ERRORS.labels(component=_component)
+    UNDECODABLE.labels(component=_component)
+for _output in ("archive", "youtube", "runner"):
+    OUTPUT_ERRORS.labels(output=_output)
+
+
+def zero_stream_series(stream: str, langs: Iterable[str], *, push: bool = False) -> None:
+    """The gateway's per-stream series of `stream`, at 0 (clients, messages, delivery;
+    push frames for a push stream)."""
+    for lang in langs:
+        GATEWAY_CLIENTS.labels(stream=stream, lang=lang)
+        GATEWAY_MESSAGES.labels(stream=stream, lang=lang)
+    for kind in ("partial", "final"):
+        GATEWAY_CAPTION_DELIVERY.labels(stream=stream, kind=kind)
+    if push:
+        PUSH_FRAMES.labels(stream=stream)
+        PUSH_BAD_FRAMES.labels(stream=stream)

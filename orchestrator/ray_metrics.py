@@ -193,8 +193,8 @@ class RayTranslationMetrics:
                    kind="final" if final else "partial")
         if final:
             self.m.observe("babelcast_translation_lag_seconds", max(0.0, lag_s), **tags)
-        if error:
-            self.m.inc("babelcast_translation_errors_total", 1, **tags)
+        # 0 when it went well: the errors series exists from the first translation.
+        self.m.inc("babelcast_translation_errors_total", 1 if error else 0, **tags)
 
     def queue(self, depth: dict[str, float]) -> None:
         self.m.set("babelcast_translation_queue_jobs", depth.get("pending", 0), state="pending")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -186,6 +187,55 @@ def test_every_counter_a_dashboard_queries_exists_at_zero_from_the_start(live: L
     for name in ("audio_gaps_total", "rollovers_total", "rut_recoveries_total",
                  "session_errors_total", "source_gaps_total"):
         live.until(f"count by (stream) (ray_babelcast_{name})", lambda r: len(r) == 2,
+                   f"{name} for both rooms")
+
+
+NOT_IN_THIS_EVENT = {
+    "babelcast_archive_cues_total": "no archive output configured",
+    "babelcast_youtube_backlog_finals": "no YouTube output configured",
+    "babelcast_youtube_posts_total": "no YouTube output configured",
+    "babelcast_push_audio_frames_total": "no push stream (labelled by stream)",
+    "babelcast_push_bad_frames_total": "no push stream (labelled by stream)",
+    "ray_babelcast_engine_reanchor_rotation_failures_total": "vllm re-anchoring only",
+    "babelcast_engine_replacements_total": "an engine that can be replaced (vllm) only",
+}
+"""Queried metrics whose series cannot exist in this event: the feature is not in it."""
+
+
+def queried_metrics() -> set[str]:
+    """Every metric name a dashboard panel or an alert rule queries."""
+    exprs = [expr for _, _, expr in queries()]
+    groups = yaml.safe_load((ROOT / "deploy/prometheus/rules/babelcast.rules.yml")
+                            .read_text())["groups"]
+    exprs += [r["expr"] for g in groups for r in g["rules"]]
+    found = {n for e in exprs for n in re.findall(r"\b((?:ray_)?babelcast_[a-z0-9_]+)", e)}
+    # A histogram is queried through its series; it exists when its _count does.
+    return {re.sub(r"_(bucket|sum)$", "_count", n) for n in found}
+
+
+def test_every_metric_a_panel_or_alert_queries_exists_on_a_fresh_event(live: Live) -> None:
+    """On a healthy event with nothing gone wrong, every series a panel or an alert
+    reads is there (at 0 when nothing happened): a missing one reads "No data" and a
+    rate() alert misses its first increment (issue 36: five source and stall counters)."""
+    wanted = queried_metrics() - set(NOT_IN_THIS_EVENT)
+    assert len(wanted) >= 35
+    names_q = 'count by (__name__) ({__name__=~"(ray_)?babelcast_.+"})'
+
+    def present(result: list[dict[str, Any]]) -> set[str]:
+        return {x["metric"]["__name__"] for x in result}
+
+    try:
+        live.until(names_q, lambda r: wanted <= present(r), "every queried metric",
+                   timeout_s=SERIES_TIMEOUT_S)
+    except pytest.fail.Exception:
+        missing = sorted(wanted - present(live.query(names_q)))
+        pytest.fail(f"queried but never exported on a fresh event: {missing}")
+    # Per room where the metric is per room: both rooms' series exist.
+    for name in ("ray_babelcast_audio_stalls_total", "ray_babelcast_audio_gap_fill_seconds_total",
+                 "ray_babelcast_late_audio_dropped_seconds_total",
+                 "ray_babelcast_source_reconnects_total", "ray_babelcast_source_refused_total",
+                 "ray_babelcast_caption_lag_seconds"):
+        live.until(f"count by (stream) ({name})", lambda r: len(r) == 2,
                    f"{name} for both rooms")
 
 
