@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import numpy as np
 import pytest
 
+from tests.engine_doubles import IdleEngine
 from tests.speech import AUDIO, decode_pcm16
+from workers.engines.base import INPUT_QUEUE_MAX, RecognizeSession, SessionInput, SessionOptions
 from workers.engines.vad import VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk
+from workers.sessions.manager import SessionManager
 from workers.sessions.pacing import DitherNoise
 from workers.sessions.ring import AudioRing
 from workers.sessions.watchdog import RutPolicy, RutWatchdog
@@ -170,3 +174,38 @@ def test_ring_returns_recent_audio_cut_at_the_requested_position() -> None:
     assert got[0].samples == chunk - 100
     assert [c.pos for c in got[1:]] == [i * chunk for i in range(26, 30)]
     assert sum(c.samples for c in got) == 5 * chunk - 100
+
+
+class _UnreadSession(RecognizeSession):
+    """TEST DOUBLE: a session that never takes its input (its engine is saturated), so
+    its bounded input queue fills."""
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        await asyncio.Event().wait()
+
+
+class _SaturatedEngine(IdleEngine):
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        session = _UnreadSession(options)
+        session.start()
+        return session
+
+
+async def test_a_backlog_past_the_input_queue_drops_the_oldest_and_counts_it() -> None:
+    """The default keeps every word up to the session's input queue (~60 s); past it the
+    oldest audio goes, and the manager counts and says so (never silently)."""
+    manager = SessionManager(_SaturatedEngine(), SessionOptions("s", "en"))
+    manager.start()
+    step = SAMPLE_RATE // 10
+    tone = (np.random.default_rng(3).normal(0, 100, step)).astype("<i2").tobytes()
+    try:
+        for i in range(700):  # 70 s, as fast as the manager takes it
+            await manager.push(AudioChunk("s", i * step, tone, float(i)))
+        for _ in range(200):
+            if manager.counters["skipped_s_queue_full"] >= 9.9:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await manager.aclose()
+    assert manager.counters["skipped_s_queue_full"] == pytest.approx(
+        (700 - INPUT_QUEUE_MAX) / 10, abs=0.2)

@@ -75,6 +75,7 @@ class RecognizeSession(ABC):
         self._out: asyncio.Queue[TranscriptDelta | BaseException | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.dropped_chunks = 0
+        self.dropped_samples = 0  # audio dropped from a full input queue (never heard)
         self._heard_until: int | None = None
 
     @property
@@ -105,8 +106,10 @@ class RecognizeSession(ABC):
             # Drop the oldest audio, never block the reader: the pos jump that the
             # drop leaves is seen by the session as a gap.
             with contextlib.suppress(asyncio.QueueEmpty):
-                self._in.get_nowait()
+                dropped = self._in.get_nowait()
                 self.dropped_chunks += 1
+                if isinstance(dropped, AudioChunk):
+                    self.dropped_samples += dropped.samples
         self._in.put_nowait(item)
 
     async def end_input(self) -> None:

@@ -186,6 +186,7 @@ class SessionManager(RecognizeSession):
         self._warm_retry_at = 0.0
         self._cut_s = 0.0
         self._rut_cut_s: float | None = None  # where the last rut replacement resumed
+        self._dropped_seen = 0
         # Runs of speech (start, end) in the last BACKLOG_S of audio, for the lag gauge;
         # unlike the watchdog's, kept across rollovers (a replacement re-reads them).
         self._speech_runs: deque[list[int]] = deque()
@@ -253,7 +254,19 @@ class SessionManager(RecognizeSession):
 
     async def _feed(self, gen: _Gen, chunk: AudioChunk) -> None:
         gen.fed += chunk.samples
+        before = gen.session.dropped_samples
         await gen.session.push(chunk)
+        if gen.session.dropped_samples > before:
+            self._queue_dropped(gen.session.dropped_samples - before)
+
+    def _queue_dropped(self, samples: int) -> None:
+        """A session's input queue (or this manager's) was full and dropped its oldest
+        audio: the backlog policy's bound (INPUT_QUEUE_MAX, ~60 s). Counted, and said."""
+        if not self.counters["skipped_s_queue_full"]:
+            log.warning("stream %s: more than ~%.0f s of audio waiting for recognition; "
+                        "dropping the oldest (the actor carries more than it can)",
+                        self.options.stream_id, BACKLOG_S - 5)
+        self.counters["skipped_s_queue_full"] += samples / SAMPLE_RATE
 
     # ---- output ------------------------------------------------------------
     def _filter(self, gen: _Gen, words: tuple[Word, ...]) -> tuple[Word, ...]:
@@ -619,6 +632,9 @@ class SessionManager(RecognizeSession):
                         await self._finish()
                         return
                     get_in = asyncio.create_task(inputs.get())
+                    if self.dropped_samples > self._dropped_seen:  # this manager's queue
+                        self._queue_dropped(self.dropped_samples - self._dropped_seen)
+                        self._dropped_seen = self.dropped_samples
                     if isinstance(item_in, AudioChunk):
                         self._stalled = False
                         await self._on_chunk(item_in)
