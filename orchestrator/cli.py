@@ -16,19 +16,34 @@ gateway on this machine run without an `auth` section) the run's own tokens.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import sys
-from typing import Any
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
-from orchestrator.config import ConfigError, EventConfig, load_event
+if TYPE_CHECKING:
+    from orchestrator.config import EventConfig
+
+T = TypeVar("T")
+
+# Imports stay inside the commands: `babelcast status` is polled every few seconds on the
+# event's own machine, and the event file's models alone (pydantic, the outputs, Redis)
+# cost ~0.8 s of CPU to import; status needs none of them (tests/test_status_cost.py).
+
+
+def _run_async(coro: Coroutine[Any, Any, T]) -> T:
+    import asyncio  # ~45 ms of imports, which `status` does without
+
+    return asyncio.run(coro)
 
 
 def _load_or_exit(path: str) -> EventConfig:
+    from orchestrator.config import ConfigError, load_event
+
     try:
         return load_event(path)
     except ConfigError as exc:
@@ -55,16 +70,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"{args.file}: {problem}", file=sys.stderr)
         print(f"{args.file}: {len(problems)} problem(s); nothing was started", file=sys.stderr)
         return 2
+    from orchestrator.redis_server import RedisServerError
     from orchestrator.run import run_event
 
-    return asyncio.run(run_event(cfg, duration_s=args.duration, plain=args.plain))
+    try:
+        return _run_async(run_event(cfg, duration_s=args.duration, plain=args.plain))
+    except RedisServerError as exc:  # e.g. a second run in the same folder: one line
+        print(f"babelcast run: {exc}", file=sys.stderr)
+        return 2
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     cfg = _load_or_exit(args.file)
     from orchestrator.run import run_gateway
 
-    return asyncio.run(run_gateway(cfg))
+    return _run_async(run_gateway(cfg))
 
 
 # Close codes a gateway sends when it stops: uvicorn says 1012 (service restart) at
@@ -75,6 +95,7 @@ _GATEWAY_STOPPED = (1001, 1012)
 async def _tail(url: str, stream: str, lang: str | None, since: int | None, finals: bool,
                 as_json: bool, limit: int | None, token: str | None = None,
                 give_up_s: float = 30.0) -> int:
+    import asyncio
     import time
 
     import websockets
@@ -152,51 +173,104 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
 
 def cmd_tail(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(
+        return _run_async(
             _tail(args.url, args.stream, args.lang, args.since, args.finals, args.json,
                   args.limit, args.token, args.give_up)
         )
     return 0
 
 
-def _status_once(url: str, as_json: bool, clear: bool, token: str | None = None) -> int:
-    import httpx
+class _StatusClient:
+    """One HTTP connection to the gateway, kept across `--watch` polls (a new connection
+    each time is a handshake and a place on the gateway for every poll). The standard
+    library's client: httpx alone costs ~0.2 s of CPU to import."""
 
-    from orchestrator.gateway.local_credentials import token_for
-    from orchestrator.status import render
+    def __init__(self, url: str, token: str | None) -> None:
+        from urllib.parse import urlsplit
 
-    token = token_for(url, "admin", token)
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+        parts = urlsplit(url)
+        self.url = url
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port
+        self._path = parts.path.rstrip("/") + "/v1/status"
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._conn: Any = None
+
+    def get(self) -> tuple[int, bytes]:
+        """(status, body); raises OSError or http.client.HTTPException when the gateway
+        cannot be reached. A kept connection the gateway closed meanwhile (its keep-alive
+        ran out between polls) is opened again once."""
+        import http.client
+
+        for attempt in (1, 2):
+            fresh = self._conn is None
+            if fresh:
+                kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+                self._conn = kind(self._host, self._port, timeout=10)
+            try:
+                self._conn.request("GET", self._path, headers=self._headers)
+                resp = self._conn.getresponse()
+                body: bytes = resp.read()
+            except (OSError, http.client.HTTPException):
+                self.close()
+                if fresh or attempt == 2:
+                    raise
+                continue
+            if resp.will_close:
+                self.close()
+            return resp.status, body
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _status_once(client: _StatusClient, as_json: bool, clear: bool) -> int:
+    import http.client
+
+    url = client.url
     try:
-        resp = httpx.get(f"{url}/v1/status", timeout=10, headers=headers)
-    except httpx.HTTPError as exc:
+        status, body = client.get()
+    except (OSError, http.client.HTTPException) as exc:
         print(f"babelcast status: cannot reach the gateway at {url} ({type(exc).__name__}); "
               "is `babelcast run` running there? set --url or $BABELCAST_URL", file=sys.stderr)
         return 2
-    if resp.status_code != 200:
-        print(f"babelcast status: {url}/v1/status answered {resp.status_code}: "
-              f"{resp.text[:200]}", file=sys.stderr)
+    if status != 200:
+        text = body[:200].decode("utf-8", "replace")
+        print(f"babelcast status: {url}/v1/status answered {status}: {text}",
+              file=sys.stderr)
         return 2
     if as_json:
-        print(json.dumps(resp.json(), ensure_ascii=False), flush=True)
+        print(json.dumps(json.loads(body), ensure_ascii=False), flush=True)
         return 0
+    from orchestrator.status import render
+
     if clear:
         print("\x1b[2J\x1b[H", end="")  # a fresh screen for each refresh
-    print(render(resp.json(), url), flush=True)
+    print(render(json.loads(body), url), flush=True)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     import time
 
+    from orchestrator.gateway.local_credentials import token_for
+
     url = args.url.rstrip("/")
-    if not args.watch:
-        return _status_once(url, args.json, clear=False, token=args.token)
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            _status_once(url, args.json, clear=not args.json, token=args.token)
-            time.sleep(args.watch)
-    return 0
+    client = _StatusClient(url, token_for(url, "admin", args.token))
+    try:
+        if not args.watch:
+            return _status_once(client, args.json, clear=False)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                _status_once(client, args.json, clear=not args.json)
+                time.sleep(args.watch)
+        return 0
+    finally:
+        client.close()
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -218,7 +292,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         else:
             redis = args.redis or os.environ.get("BABELCAST_REDIS_URL",
                                                  "redis://127.0.0.1:6379/0")
-            text, lang, finals = asyncio.run(export_captions(
+            text, lang, finals = _run_async(export_captions(
                 redis, args.stream, args.lang, fmt, get_profile(args.profile)))
     except ExportError as exc:
         print(f"babelcast export: {exc}", file=sys.stderr)
