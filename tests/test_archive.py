@@ -322,3 +322,27 @@ async def test_export_through_the_gateway_needs_only_a_viewer_token_and_matches_
         missing = await asyncio.to_thread(export, "--lang", "de", "--token", ADMIN_TOKEN)
         assert missing.returncode == 2 and "answered 404" in missing.stderr
         assert "en, fr" in missing.stderr
+
+
+@integration
+async def test_finals_published_just_before_a_stop_are_in_the_archive(
+    redis_url: str, bus: RedisBus, tmp_path: Path
+) -> None:
+    """`babelcast run` stops the ASR actors (which make the open captions final) and then
+    the outputs: closing waits until the archive holds what Redis holds, so the sentence
+    open at SIGTERM is archived (issue 36: it was missing)."""
+    cfg = OutputsConfig(archive=ArchiveConfig(dir=str(tmp_path)))
+    runner = await start_outputs(redis_url, [HALL], cfg, environ={})
+    path = tmp_path / "hall" / "en.vtt"
+    try:
+        await publish(bus, ENGLISH[:2])
+
+        async def has_first() -> bool:
+            return cue_count(path) == 1
+
+        await eventually(has_first, WAIT_S, "the first final archived")
+        # The stop's finals, published the moment before the close.
+        await publish(bus, ENGLISH[2:])
+    finally:
+        await runner.aclose()
+    assert unescape(vtt_cues(path)) == expected([s for s in ENGLISH if s.is_final])

@@ -313,3 +313,21 @@ def test_a_withdraw_travels_as_its_own_message_type() -> None:
     [shown] = segmenter().feed(delta(tentative="Hmm"))
     assert json.loads(caption_to_json(shown))["type"] == "caption"
     assert caption_from_json(caption_to_json(shown)) == shown
+
+
+def test_a_resumed_caption_that_is_not_heard_again_is_withdrawn_not_finalised_empty() -> None:
+    """After a SIGKILL the new owner goes on with the caption left open (its audio is
+    read again). If that audio yields no word for it, the caption is withdrawn under
+    its own segment id: it came back as an empty final before (issue 36)."""
+    [shown] = segmenter(next_segment_id=7).feed(delta(tentative="Had he married", at=40.0))
+    seg = segmenter(next_seq=shown.seq + 1, next_segment_id=8)
+    seg.resume(shown)
+    [withdrawn] = seg.feed(delta(end_of_utterance=True))
+    assert (withdrawn.segment_id, withdrawn.withdrawn, withdrawn.is_final) == (7, True, False)
+    assert withdrawn.audio_start_s == shown.audio_start_s
+    # Heard again, it goes on and is made final once, with its text and times.
+    seg = segmenter(next_seq=shown.seq + 1, next_segment_id=8)
+    seg.resume(shown)
+    [final] = seg.feed(delta("Had he married.", at=40.0, end_of_utterance=True))
+    assert (final.segment_id, final.is_final, final.text) == (7, True, "Had he married.")
+    assert 40.0 <= final.audio_start_s < final.audio_end_s
