@@ -808,6 +808,13 @@ def parse_event(text: str, *, filename: str = "<string>",
         # The constructor already reads: a control character fails here (found by fuzzing).
         # Composed under a budget of aliases and expanded size before anything walks it.
         root, loader = yaml_bounds.compose(text)
+        lines: dict[Loc, int] = {}
+        dups: list[tuple[Loc, int]] = []
+        if root is not None:
+            # Before construction: merge keys (`<<: *defaults`) rewrite the nodes in place,
+            # after which a merged key and its override read as a duplicate.
+            lines[()] = root.start_mark.line + 1
+            _index_lines(root, (), lines, dups)
         data = loader.construct_document(root) if root is not None else None
     except yaml_bounds.AliasRefused as e:
         raise ConfigError([ConfigIssue(filename, e.line, _display_key(e.path) if e.path
@@ -828,9 +835,6 @@ def parse_event(text: str, *, filename: str = "<string>",
         kind = type(data).__name__
         raise ConfigError([ConfigIssue(filename, root.start_mark.line + 1, "<top level>",
                                        f"expected a mapping of keys, got a {kind}")])
-    lines: dict[Loc, int] = {(): root.start_mark.line + 1}
-    dups: list[tuple[Loc, int]] = []
-    _index_lines(root, (), lines, dups)
     # YAML silently keeps the last of two equal keys; an operator almost never means that.
     issues = [ConfigIssue(filename, ln, _display_key(loc), "duplicate key; the earlier one "
                           "would be ignored") for loc, ln in dups]
