@@ -113,7 +113,9 @@ class LimitsConfig(_Strict):
         description="a connection that has not sent its request headers by then is closed")
     max_connections: int = Field(
         default=4_096, ge=16,
-        description="open connections one gateway worker serves; past it: HTTP 503")
+        description="connections serving a request or a WebSocket on one gateway worker; "
+                    "past it: HTTP 503 (connections holding no request are counted apart, "
+                    "in max_pending_connections)")
     max_pending_connections: int = Field(
         default=1_024, ge=16,
         description="connections one gateway worker holds that carry no request being "
