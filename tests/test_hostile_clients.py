@@ -233,6 +233,15 @@ async def test_trickling_clients_leave_livez_and_an_authenticated_caption_client
         assert sum(open_now) <= MAX_PENDING
         assert sum(open_now) >= MAX_PENDING - 50, sum(open_now)  # the bound, not a crash
         assert not any(open_now[:1000]), "the oldest waiting connections were kept"
+        async with httpx.AsyncClient(base_url=gw.base, timeout=RECV_S) as http:
+            scrape = (await http.get("/metrics", headers=AS_ADMIN)).text
+        refused = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                   for line in scrape.splitlines()
+                   if line.startswith("babelcast_gateway_refusals_total{")}
+        assert refused.get('refusal="cap"', 0) >= 4_500 - MAX_PENDING - 50, refused
+        assert refused.get('refusal="unauthorized"', 0) >= 4_500, refused
+        # Said once, not once per connection.
+        assert gw.log.read_text().count("connections hold no request") == 1
     finally:
         for _, w in bodies + heads:
             w.close()

@@ -121,7 +121,7 @@ class BodyGuard:
             except TimeoutError:
                 raise _Refused(408, f"the request body did not arrive within "
                                     f"{self.timeout_s:g} s (gateway.limits.body_timeout_s)",
-                               refusal="timeout") from None
+                               refusal="slow_client") from None
             if message["type"] == "http.disconnect":
                 raise _Gone
             body += message.get("body", b"")

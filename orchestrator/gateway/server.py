@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from orchestrator import metrics
 from orchestrator.gateway.security_config import LimitsConfig
 
 WS_MAX_MESSAGE_BYTES = 128 * 1024
@@ -91,6 +92,7 @@ class WaitingConnections:
             del self._waiting[oldest]
             oldest.close_waiting()
             self.evicted += 1
+            metrics.GATEWAY_REFUSALS.labels(refusal="cap").inc()
             if now - self._warned_at > 60.0:  # one line a minute, not one per connection
                 self._warned_at = now
                 log.warning("more than %d connections hold no request "
