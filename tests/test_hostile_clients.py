@@ -314,6 +314,30 @@ async def test_token_comes_before_size_and_validation(gateway: Gateway) -> None:
     assert no_body_route.status_code == 413
 
 
+async def test_headers_past_their_bound_are_refused_and_not_kept(gateway: Gateway) -> None:
+    before = gateway.rss_mib()
+    huge = b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Pad: "
+    reader, writer = await open_raw(gateway.port, huge)
+    try:
+        for _ in range(64):  # 16 MiB of one header line, if it were taken
+            writer.write(b"a" * (256 * 1024))
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            if writer.is_closing() or reader.at_eof():
+                break
+        data = await asyncio.wait_for(reader.read(), RECV_S)
+    except OSError:
+        data = b"(reset)"
+    finally:
+        writer.close()
+    assert data.startswith(b"HTTP/1.1 431") or data == b"(reset)", data[:100]
+    assert gateway.rss_mib() - before < 20
+    # The control: 60 KiB of headers is inside the bound and answered.
+    async with httpx.AsyncClient(base_url=gateway.base, timeout=RECV_S) as http:
+        r = await http.get("/livez", headers={"X-Pad": "a" * 60_000})
+    assert r.status_code == 200
+
+
 async def test_a_body_that_trickles_is_cut_by_the_body_timeout(gateway: Gateway) -> None:
     reader, writer = await open_raw(
         gateway.port, head("/v1/admin/apply", length=1000, token=ADMIN) + b"{")

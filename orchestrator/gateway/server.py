@@ -103,6 +103,9 @@ class WaitingConnections:
         self._waiting.pop(conn, None)
 
 
+MAX_HEADER_BYTES = 64 * 1024
+"""The request line and headers of one request (uvicorn's h11 takes 16 KiB; a viewer token
+in the URL is ~300 bytes): past it, 431 and the connection is closed."""
 LINGER_S = 2.0
 LINGER_MAX_BYTES = 4 * 1024 * 1024
 """After an answer that left the request's body unread (a 401 or 413 from `body_guard`),
@@ -135,6 +138,7 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._lingering = -1  # bytes dropped while lingering; -1: not lingering
+        self._header_bytes = 0  # bytes of the request line and headers read so far
 
     def close_after_answer(self) -> None:
         cycle = self.cycle
@@ -149,14 +153,23 @@ class HeaderTimeoutProtocol(HttpToolsProtocol):
         self.waiting.add(self)  # its place is the first to go when places are short
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering < 0:
-            super().data_received(data)
+        if self._lingering >= 0:
+            self._lingering += len(data)
+            if self._lingering > LINGER_MAX_BYTES:
+                self.close_waiting()
             return
-        self._lingering += len(data)
-        if self._lingering > LINGER_MAX_BYTES:
-            self.close_waiting()
+        super().data_received(data)
+        if self._header_timer is not None:  # the headers are still not complete
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                # httptools keeps whatever a header line brings until it ends: without
+                # this a client could send hundreds of MB within the header timeout.
+                self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                                     b"content-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.close()
 
     def _arm(self) -> None:
+        self._header_bytes = 0
         if self._header_timer is None:
             self._header_timer = self.loop.call_later(self.header_timeout_s,
                                                       self._header_timeout)
