@@ -95,7 +95,8 @@ async def read_until(event: Event, stream: str, lang: str, done: Any,
 def source_finished(talk: Talk) -> Any:
     """Done when a final covers the talk's last second of speech. Not "the last message is
     such a final": after it the engine may show tentative words on the trailing audio and
-    then withdraw them (a `withdraw` message, not a caption), and nothing comes after that, so such a reader waited out its 150 s (seen in 2 of 3 whole-suite runs on
+    then withdraw them (a `withdraw` message, not a caption), and nothing comes after
+    that, so such a reader waited out its 150 s (seen in 2 of 3 whole-suite runs on
     2026-12-02, never alone)."""
     end_s = 0.5 + talk.seconds - 1.5
     return lambda msgs: any(m["is_final"] and m["text"] and m["audio_end_s"] >= end_s
