@@ -243,14 +243,20 @@ def _status_once(client: _StatusClient, as_json: bool, clear: bool) -> int:
         print(f"babelcast status: {url}/v1/status answered {status}: {text}",
               file=sys.stderr)
         return 2
+    try:
+        data = json.loads(body)
+    except ValueError:
+        print(f"babelcast status: {url}/v1/status answered something that is not JSON; "
+              "is --url a Babelcast gateway?", file=sys.stderr)
+        return 2
     if as_json:
-        print(json.dumps(json.loads(body), ensure_ascii=False), flush=True)
+        print(json.dumps(data, ensure_ascii=False), flush=True)
         return 0
     from orchestrator.status import render
 
     if clear:
         print("\x1b[2J\x1b[H", end="")  # a fresh screen for each refresh
-    print(render(json.loads(body), url), flush=True)
+    print(render(data, url), flush=True)
     return 0
 
 
