@@ -340,6 +340,15 @@ async def test_headers_past_their_bound_are_refused_and_not_kept(gateway: Gatewa
     assert r.status_code == 200
 
 
+async def test_parameter_validation_details_answer_callers_with_a_token(
+        gateway: Gateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base, timeout=RECV_S) as http:
+        anon = await http.get("/v1/streams/room/transcript.pdf")
+        admin = await http.get("/v1/streams/room/transcript.pdf", headers=AS_ADMIN)
+    assert anon.status_code == 401 and "pdf" not in anon.text
+    assert admin.status_code == 422 and "vtt" in admin.text  # the details, to a caller
+
+
 async def test_a_body_that_trickles_is_cut_by_the_body_timeout(gateway: Gateway) -> None:
     reader, writer = await open_raw(
         gateway.port, head("/v1/admin/apply", length=1000, token=ADMIN) + b"{")

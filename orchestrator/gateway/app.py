@@ -33,6 +33,8 @@ from typing import Annotated, Any
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, HTTPException, Query, Request, WebSocket
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (
     FileResponse,
     HTMLResponse,
@@ -56,7 +58,7 @@ from orchestrator.gateway.access import (
     can_view_any,
     is_admin,
 )
-from orchestrator.gateway.auth import MAX_MINT_TTL_S, Principal
+from orchestrator.gateway.auth import MAX_MINT_TTL_S, AuthError, Principal
 from orchestrator.gateway.body_guard import BodyGuard, BodyRoute
 from orchestrator.gateway.captions_ws import captions_ws
 from orchestrator.gateway.context import GatewayContext, GatewayStream
@@ -147,6 +149,24 @@ def create_app(redis_url: str, streams: list[GatewayStream], event_name: str = "
                                admin_apply.MAX_BODY_BYTES + 4096, is_admin,
                                "applying an event file"),
                        })
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_after_auth(request: Request,
+                                    exc: RequestValidationError) -> Response:
+        """FastAPI checks query and path parameters before an endpoint runs, so its 422
+        (with what was wrong) answered anyone; it answers callers with a token (or public
+        viewers) only, as the body's details do (body_guard)."""
+        try:
+            p, _ = access.principal(request.headers, request.query_params)
+        except AuthError:
+            p = None
+        if p is None:
+            metrics.GATEWAY_REFUSALS.labels(refusal="unauthorized").inc()
+            return JSONResponse({"detail": "this request needs a token: send "
+                                           "`Authorization: Bearer TOKEN` (see README, "
+                                           "Security)"}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        return await request_validation_exception_handler(request, exc)
 
     def require(request: Request, check: Any, what: str) -> Principal:
         try:
