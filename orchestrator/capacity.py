@@ -46,6 +46,14 @@ for sessions aged 30 minutes on an H200 (16-core Xeon host), per engine:
   figure stays, and an operator sets `engine.streams_per_actor` from their own run.
 
 New sessions reach ≥ 128 per GPU (64 per engine), so the aged knee is the budget.
+
+Under review (issue 34): every figure above was judged by 12.0 frames/s (96 % of real time)
+over 7-43 s windows. By the strict keep-up rule (bench/capacity/rule.py) the same three
+engines under MPS with 110 sessions aged 12 minutes, ages staggered, kept pace with under
+1 % headroom: every session shrank its backlog over 218 s, but began 1.0-2.1 s behind and
+its p99 was 1.04-2.0 s, so 0 of 110 kept up (bench/results/capacity_h200, 2026-12-03).
+The defaults here are not yet from a strict knee; expect less headroom than their margin
+suggests until they are.
 """
 
 from __future__ import annotations

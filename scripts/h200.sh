@@ -30,6 +30,9 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PATH=/tmp/bin:$PATH BABELCAST_VOXTRAL_DIR=/tmp/voxtral
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT
+# The device's copy of the checkout may carry a stale .git (the first strict smoke runs
+# recorded the session's first commit): the caller writes the real one here.
+[ -f .stage/extra/COMMIT ] && export BABELCAST_COMMIT=$(cat .stage/extra/COMMIT)
 if [ "${MPS:-0}" = 1 ] && [ "$1" != install ]; then
   # CUDA MPS: the engines' kernels may run side by side instead of the GPU switching
   # between their contexts. A user-space daemon (no GPU setting changes); quit at the end.
