@@ -89,7 +89,8 @@ capacity)
   head -c 9000 "$OUT/capacity.json"; echo; grep -v "^\s*$" "$OUT/capacity.log" | grep -iE "error|Traceback|knee|front end" | tail -15; tail -c 1500 "$OUT/capacity.log"
   ;;
 strict)  # bench.capacity.strict: one level of one configuration, the keep-up rule (issue 34)
-  # CONFIG=project-direct-x3+melspec+tokens+keys N=110 EXTRA="--production --age-min 12"
+  # CONFIG=project-direct-x3+melspec+tokens+keys N=110 EXTRA="--production --age-min 12 --kv-cache-gib 30"
+  # (--kv-cache-gib: the engines start side by side; one after another took 287 s of 600)
   timeout ${LIMIT:-585} python3 -m bench.capacity.strict --model /tmp/voxtral --config "$CONFIG" \
     --streams "$N" --deadline-s "${DEADLINE:-540}" ${EXTRA:-} --out "$OUT/${TAG:-strict}.json" \
     > /dev/null 2> "$OUT/${TAG:-strict}.log"; echo rc=$?

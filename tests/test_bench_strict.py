@@ -224,4 +224,14 @@ def test_the_strict_bench_parses_its_device_command() -> None:
     opts = strict.engine_options(a, 3, 25)
     assert opts.reanchor == "off" and opts.direct_input == "off"
     assert opts.gpu_memory_utilization == pytest.approx(0.3)
+    assert opts.kv_cache_memory_bytes is None
+    sized = strict.engine_options(strict.parse(
+        ["--model", "m", "--config", "project-direct-x3", "--streams", "9",
+         "--kv-cache-gib", "30"]), 3, 3)
+    assert sized.kv_cache_memory_bytes == 30 * 2**30 and sized.reanchor == "auto"
+    from workers.engines.vllm_options import engine_kwargs
+
+    assert engine_kwargs(sized, {"kv_cache_memory_bytes", "model"})[
+        "kv_cache_memory_bytes"] == 30 * 2**30
+    assert "kv_cache_memory_bytes" not in engine_kwargs(opts, {"kv_cache_memory_bytes"})
     assert shutil.which("python3")

@@ -115,6 +115,13 @@ class VllmEngineOptions:
     """Benchmarks only: vLLM's torch profiler (CPU and CUDA activity of the engine core)
     writes its traces here between `AsyncLLM.start_profile()` and `stop_profile()`
     (bench.voxtral_capacity `--gpu-profile`). None in production: no profiler exists."""
+    kv_cache_memory_bytes: int | None = None
+    """vLLM's KV cache, this many bytes, instead of what its memory profile at start leaves
+    under `gpu_memory_utilization`. Engines that share a GPU then need not start one at a
+    time (`gpu_start_lock`: a profile taken while another engine loads is wrong), so a
+    node's three engines start side by side: one after another took 287 s of a 10-minute
+    H200 call (bench.capacity.strict, 2026-12-03; ~30.4 GiB each at 0.3 of the GPU). Not yet
+    run side by side on the GPU; benchmarks only until it has been."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +224,8 @@ def engine_kwargs(o: VllmEngineOptions, available: set[str], *,
             "ignore_frontend": True}  # the engine core only
     if o.logprobs_mode:
         kwargs["logprobs_mode"] = o.logprobs_mode
+    if o.kv_cache_memory_bytes:
+        kwargs["kv_cache_memory_bytes"] = int(o.kv_cache_memory_bytes)
     if o.kv_cache_dtype != "auto":
         kwargs["kv_cache_dtype"] = o.kv_cache_dtype
     if not o.enforce_eager:

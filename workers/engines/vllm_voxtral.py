@@ -171,7 +171,9 @@ class _AsyncLLMBackend:
         if options.load_format == scaled_weights.LOAD_FORMAT:  # GPU tier, benchmarks
             scaled_weights.register()  # a forked engine core inherits it
         args = AsyncEngineArgs(**kwargs)
-        with gpu_start_lock():
+        # A KV cache of a given size needs no memory profile: no other engine can skew it
+        sized = bool(options.kv_cache_memory_bytes and "kv_cache_memory_bytes" in available)
+        with contextlib.nullcontext() if sized else gpu_start_lock():
             self.llm = AsyncLLM.from_engine_args(args)
         self.model_cls: Any = get_model_cls(self.llm.model_config)
         self._sampling = SamplingParams
