@@ -29,7 +29,9 @@ from workers.engines.base import (
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
 from workers.events import (
     SAMPLE_RATE,
+    SOURCE_ENDED,
     AudioChunk,
+    AudioGap,
     CaptionSegment,
     StreamOptions,
     TranscriptDelta,
@@ -325,3 +327,33 @@ async def test_a_stop_mid_sentence_makes_the_open_caption_final(
     assert all(c.text for c in caps if c.is_final)
     cursor = await bus.load_cursor("talk")
     assert cursor is not None and cursor[1] == pytest.approx(last.audio_end_s)
+
+
+async def test_a_stream_whose_source_ended_finishes_and_frees_its_session(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    """The ingest marks the end of a source (a file, an HLS playlist that ended) in the
+    audio Stream: the ASR side makes the last words final, frees the session and feeds no
+    filler from then on (issue 36: an ended HLS room kept its session and its FILLER
+    count kept rising, while /v1/streams said captioning)."""
+    host = AsrHost(host_options(redis_url), real_engine())
+    try:
+        await asyncio.wait_for(host.start(), 60)
+        await host.add_stream(stream_options("talk"))
+        pos = await asyncio.wait_for(feed(bus, "talk", room_b[: 7 * SAMPLE_RATE * 2]), 20)
+        await bus.add_gap(AudioGap("talk", pos, 0.0, SOURCE_ENDED, time.time()))
+
+        async def ended() -> bool:
+            return (await bus.get_status("talk")).get("asr_state") == "ended"
+
+        await eventually(ended, CAPTIONS_TIMEOUT_S, "the stream's session to finish")
+        runner = host._runners["talk"]  # test tool: the runner's session is freed
+        assert runner.session is None and runner.task is not None and runner.task.done()
+        filled = (await bus.get_status("talk")).get("gap_fill_s")
+        await asyncio.sleep(3.0)  # past the stall threshold: no filler is fed
+        assert (await bus.get_status("talk")).get("gap_fill_s") == filled
+    finally:
+        await asyncio.wait_for(host.stop(), 30)
+    caps = await bus.captions_after("talk", "en", 0)
+    assert caps and caps[-1].is_final and caps[-1].text  # its last words are final
+    assert (await bus.get_status("talk"))["caption_lag_s"] == "0.0"

@@ -31,6 +31,7 @@ from workers.engines.base import SessionOptions, SpeechEngine
 from workers.engines.vad import VadService
 from workers.events import (
     SAMPLE_RATE,
+    SOURCE_ENDED,
     AudioChunk,
     AudioGap,
     CaptionSegment,
@@ -145,6 +146,7 @@ class _StreamRunner:
         # The latest partial with text, while its segment is open: a graceful stop
         # makes it final as shown if the session could not finish it.
         self._open_seg: CaptionSegment | None = None
+        self.ended = False  # its source ended: the session finished and was freed
 
     @property
     def bus(self) -> RedisBus:
@@ -225,6 +227,11 @@ class _StreamRunner:
         return manager
 
     async def push(self, item: AudioChunk | AudioGap, entry_id: str | None = None) -> None:
+        if isinstance(item, AudioGap) and item.reason == SOURCE_ENDED:
+            await self._source_ended()
+            return
+        if isinstance(item, AudioChunk) and self.ended:
+            self._reopen()  # the source came back (a restarted ingest, a new file)
         if isinstance(item, AudioChunk):
             if entry_id is not None:
                 self._consumed.append((entry_id, item.pos + item.samples))
@@ -233,6 +240,20 @@ class _StreamRunner:
             self.host.audio_s += item.samples / SAMPLE_RATE
         if self.session is not None:
             await self.session.push(item)
+
+    async def _source_ended(self) -> None:
+        """The source ended for good: the session finishes what it heard (its last words
+        become finals) and is freed; no filler is fed from here on (issue 36: an ended
+        HLS room kept its session and its FILLER count kept rising)."""
+        if self.ended or self.session is None:
+            return
+        self.ended = True
+        await self.session.end_input()  # _consume publishes the rest, then frees it
+
+    def _reopen(self) -> None:
+        self.ended = False
+        self.session = self._open()
+        self.task = asyncio.create_task(self._consume(), name=f"asr:{self.opts.stream_id}")
 
     def _above_floor(self, delta: TranscriptDelta) -> TranscriptDelta:
         """Without the words the previous owner already made final (audio read again
@@ -342,6 +363,15 @@ class _StreamRunner:
                 assert self.session is not None
                 async for delta in self.session:
                     await self._publish(delta)
+                if self.ended:
+                    session, self.session = self.session, None
+                    await session.aclose()
+                    with contextlib.suppress(*RETRYABLE):
+                        await self.bus.set_status(stream, asr_state="ended", caption_lag_s=0.0)
+                    self.caption_lag_s = None  # nothing is behind any more
+                    if self.host.metrics is not None:
+                        with contextlib.suppress(Exception):
+                            self.host.metrics.stream_update(stream, {}, {"caption_lag_s": 0.0})
                 return
             except asyncio.CancelledError:
                 raise

@@ -50,6 +50,12 @@ class AudioChunk:
         return (self.pos + self.samples) / SAMPLE_RATE
 
 
+SOURCE_ENDED = "source-ended"
+"""`AudioGap.reason` of the marker an ingest writes when a stream's source has ended for
+good (a file, an HLS playlist that ended): the ASR side finishes the stream's session and
+frees it, instead of feeding it filler for as long as the event runs."""
+
+
 @dataclass(frozen=True, slots=True)
 class AudioGap:
     """A hole in a stream's audio (source down, reconnecting, dropped frames).

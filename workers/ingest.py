@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from workers.aio import cancel_and_wait
 from workers.bus import AUDIO_CHUNK_S, RETRYABLE, RedisBus, connect_redis, retry_redis
-from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, StreamOptions
+from workers.events import SAMPLE_RATE, SOURCE_ENDED, AudioChunk, AudioGap, StreamOptions
 from workers.sessions.stall import StallThreshold, ingest_threshold
 from workers.sources.base import AudioSource, SourceError, SourceEvent
 from workers.sources.factory import open_source
@@ -381,6 +381,14 @@ class IngestHost:
                         await self._set(stream, "live", source_error="", source_note="")
                 if audio_s:
                     self._count(stream, {"source_audio_s": audio_s})
+                # Tell the ASR side: it finishes the stream and frees its session.
+                try:
+                    await retry_redis(functools.partial(self.bus.add_gap, AudioGap(
+                        stream, clock.pos, 0.0, SOURCE_ENDED, time.time())),
+                        what=f"stream {stream}", log=log, max_wait_s=10.0)
+                except RETRYABLE as exc:
+                    log.warning("stream %s: end of source not written: %s", stream,
+                                type(exc).__name__)
                 await self._set(stream, "ended", source_note="")
                 return
             except SourceError as exc:
