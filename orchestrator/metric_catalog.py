@@ -42,7 +42,7 @@ LABELS: dict[str, str] = {
     "actor": "actor id: asr-N, ingest-N, translator-N",
     "role": "what an actor does: asr, ingest, translator",
     "kind": "partial or final (captions); source or prompt (translation characters)",
-    "reason": "rollover reason (budget, rut, engine_error, gap) or gap reason "
+    "reason": "rollover reason (budget, rut, engine_error, gap, shed) or gap reason "
               "(late, source-error, source-crash, ingest-restart; what a source said: "
               "rtmp-waiting, rtmp-disconnect, rtmp-takeover, srt-waiting, srt-disconnect, "
               "hls-missing, hls-stalled, hls-skipped, hls-restart, hls-discontinuity, "
@@ -118,7 +118,7 @@ CATALOG: tuple[MetricSpec, ...] = (
          "queue_full, a session's input queue overflowed; shed, skipped to the live edge)",
          "stream", "reason"),
     _ray("babelcast_rollovers_total", "counter",
-         "Engine session rollovers by reason (budget, rut, engine_error, gap)",
+         "Engine session rollovers by reason (budget, rut, engine_error, gap, shed)",
          "stream", "reason"),
     _ray("babelcast_rut_recoveries_total", "counter",
          "Stuck sessions that captioned again after a rut rollover", "stream"),

@@ -346,3 +346,21 @@ async def test_finals_published_just_before_a_stop_are_in_the_archive(
     finally:
         await runner.aclose()
     assert unescape(vtt_cues(path)) == expected([s for s in ENGLISH if s.is_final])
+
+
+@integration
+async def test_a_gap_event_is_archived_where_the_audio_was_skipped(
+    redis_url: str, bus: RedisBus, tmp_path: Path
+) -> None:
+    from dataclasses import replace
+
+    gap = replace(caption(3, 3, "", 5.0, 25.5, final=False), lines=(), gap_s=20.5)
+    after = caption(4, 4, "And we are back.", 26.0, 27.0)
+    cfg = OutputsConfig(archive=ArchiveConfig(dir=str(tmp_path)))
+    runner = await start_outputs(redis_url, [HALL], cfg, environ={})
+    try:
+        await publish(bus, [*ENGLISH[:2], gap, after])
+    finally:
+        await runner.aclose()
+    cues = unescape(vtt_cues(tmp_path / "hall" / "en.vtt"))
+    assert cues[-2:] == [(5.0, 25.5, "[20 s not captioned]"), (26.0, 27.0, "And we are back.")]

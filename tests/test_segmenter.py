@@ -331,3 +331,18 @@ def test_a_resumed_caption_that_is_not_heard_again_is_withdrawn_not_finalised_em
     [final] = seg.feed(delta("Had he married.", at=40.0, end_of_utterance=True))
     assert (final.segment_id, final.is_final, final.text) == (7, True, "Had he married.")
     assert 40.0 <= final.audio_start_s < final.audio_end_s
+
+
+def test_skipped_audio_is_a_gap_event_after_the_open_caption_is_closed() -> None:
+    seg = segmenter(next_segment_id=3)
+    seg.feed(delta("So we", "went", at=10.0))
+    closed = seg.feed(delta(end_of_utterance=True))
+    [gap] = seg.feed(TranscriptDelta(skipped=(11.0, 31.5)))
+    assert [c.is_final for c in closed] == [True]
+    assert (gap.segment_id, gap.gap_s, gap.is_final, gap.text) == (4, 20.5, False, "")
+    assert (gap.audio_start_s, gap.audio_end_s) == (11.0, 31.5)
+    assert gap.seq == closed[-1].seq + 1
+    wire = json.loads(caption_to_json(gap))
+    assert wire["type"] == "gap" and wire["gap_s"] == 20.5
+    assert caption_from_json(caption_to_json(gap)) == gap
+    assert "gap_s" not in json.loads(caption_to_json(closed[0]))

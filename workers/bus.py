@@ -162,8 +162,11 @@ def done_key(stream: str, lang: str, segment_id: int) -> str:
 def _caption_dict(seg: CaptionSegment) -> dict[str, Any]:
     # A withdraw is its own message type, so a client that knows only "caption" ignores
     # it instead of showing an empty caption; captions keep their fields as they were.
-    data: dict[str, Any] = {"type": "withdraw" if seg.withdrawn else "caption", **asdict(seg)}
+    kind = "withdraw" if seg.withdrawn else "gap" if seg.gap_s else "caption"
+    data: dict[str, Any] = {"type": kind, **asdict(seg)}
     data.pop("withdrawn")
+    if not seg.gap_s:
+        data.pop("gap_s")
     data["lines"] = list(seg.lines)
     return data
 
@@ -173,7 +176,7 @@ def caption_to_json(seg: CaptionSegment) -> str:
 
 
 def caption_from_json(raw: str | bytes) -> CaptionSegment:
-    """A caption or a withdraw publication (`CaptionSegment.withdrawn`)."""
+    """A caption, a withdraw (`CaptionSegment.withdrawn`) or a gap event (`gap_s`)."""
     data = json.loads(raw)
     kind = data.pop("type", None)
     data.pop("withdrawn", None)

@@ -93,6 +93,10 @@ class TranscriptDelta:
     tentative: tuple[Word, ...] = ()
     end_of_utterance: bool = False
     language: str | None = None
+    skipped: tuple[float, float] | None = None
+    """Stream seconds (start, end) of audio that will never be captioned: the session
+    manager skipped it to catch up with the live edge (its shedding policy). Published
+    as a `gap` event after whatever was open is closed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +132,10 @@ class CaptionSegment:
     and is taken off screen. It has no text, is not final, and closes the segment (no
     publication follows for that id). On the wire its `type` is "withdraw". A final
     always has text and audio times; an empty final is never published."""
+    gap_s: float = 0.0
+    """A gap event, not a caption: the audio from `audio_start_s` to `audio_end_s` (this
+    many seconds) was skipped and will never be captioned (the stream was further behind
+    than its shedding bound). No text, not final; on the wire its `type` is "gap"."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,12 @@ class ArchiveSink:
         self.after_seq = held
 
     async def handle(self, seg: CaptionSegment) -> None:
+        if seg.gap_s:
+            # Audio skipped to catch up (the shedding policy): the archive says so where
+            # it happened, as a cue of its own.
+            note = f"[{seg.gap_s:.0f} s not captioned]"
+            seg = replace(seg, is_final=True, text=note, lines=(note,),
+                          stable_prefix_len=len(note))
         if not seg.is_final:
             return  # interims are most publications; no thread hop for them
         n = await asyncio.to_thread(self.writer.write, seg)

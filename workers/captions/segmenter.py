@@ -108,7 +108,22 @@ class Segmenter:
             text = join_words(self._stable + self._tentative)
             if text and text != self._last_text:
                 out.append(self._publish(final=False))
+        if delta.skipped is not None:
+            out.append(self._gap(*delta.skipped))
         return out
+
+    def _gap(self, start_s: float, end_s: float) -> CaptionSegment:
+        """A gap event for audio skipped: after whatever was open (closed by the same
+        delta's end of utterance), under a segment id of its own."""
+        seg = CaptionSegment(
+            stream=self.stream, lang=self.lang, segment_id=self.segment_id,
+            seq=self.next_seq, revision=1, is_final=False, text="", stable_prefix_len=0,
+            lines=(), audio_start_s=start_s, audio_end_s=end_s,
+            audio_end_wall=self._wall_of(end_s), emit_time=self._clock(),
+            gap_s=round(end_s - start_s, 3))
+        self.next_seq += 1
+        self.segment_id += 1
+        return seg
 
     def _withdraw(self) -> CaptionSegment:
         """The open partial, taken back: no text, the partial's audio times, and the

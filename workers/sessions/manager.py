@@ -77,8 +77,11 @@ from workers.sessions.watchdog import BACKLOG_S, RutPolicy, RutWatchdog
 
 log = logging.getLogger(__name__)
 
-ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap")
+ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap", "shed")
 SKIP_REASONS = ("replacement", "queue_full", "shed")
+SHED_LEAD_S = 1
+"""A session that sheds to the live edge starts this many seconds before the newest
+audio (a rollover's `overlap_s` would start it that much behind)."""
 """Why speech was skipped, never captioned (counters `skipped_s_<reason>`): see the
 module doc (replacement), `INPUT_QUEUE_MAX` (queue_full) and `ShedPolicy` (shed)."""
 
@@ -118,6 +121,14 @@ class SessionPolicy:
     restart_backoff_s: float = 1.0
     max_backoff_s: float = 10.0
     tick_s: float = 0.05
+    shed_after_s: float | None = None
+    """The shedding policy. None (the default): keep the backlog: every word is captioned,
+    late, up to what a session's input queue holds (~60 s; past it the oldest audio is
+    dropped and counted as `queue_full`). A number: once the stream's captions are this
+    many seconds behind (`caption_lag_s`), skip to the live edge: the session is replaced
+    at the newest audio (less `SHED_LEAD_S`), and the audio between the last committed
+    word and there is published as a `gap` event (seconds skipped) and counted as `shed`.
+    A session is shed at most once per this many seconds of its audio."""
 
 
 @dataclass(eq=False)
@@ -374,6 +385,16 @@ class SessionManager(RecognizeSession):
             # close the open caption on its committed words.
             await self._emit(TranscriptDelta(end_of_utterance=True))
         cut = max(old.last_end_s, old.accept_from_s) if old is not None else self._cut_s
+        if reason == "shed" and self.pos is not None:
+            # Skip to the live edge: what lies between is said to be skipped, in seconds.
+            live_s = (self.pos - SHED_LEAD_S * SAMPLE_RATE) / SAMPLE_RATE
+            if live_s > cut:
+                self.counters["skipped_s_shed"] += live_s - cut
+                log.warning("stream %s: %.1f s behind; skipped %.1f s to the live edge "
+                            "(shed_after_s)", self.options.stream_id,
+                            self.gauges.get("caption_lag_s", 0.0), live_s - cut)
+                await self._emit(TranscriptDelta(skipped=(round(cut, 3), round(live_s, 3))))
+                cut = live_s
         self._cut_s = cut
         if reason == "engine_error" and old is not None:
             # A session that fails at once must not become a busy loop.
@@ -406,6 +427,8 @@ class SessionManager(RecognizeSession):
         is heard whole; words before it are not accepted again), never later than a warm
         rollover's overlap before the newest audio."""
         assert self.pos is not None
+        if reason == "shed":  # at the live edge, with as little re-read as a word needs
+            return max(self._ring.start_pos or 0, int((cut_s - 0.5) * SAMPLE_RATE))
         live = self.pos - int(self.policy.overlap_s * SAMPLE_RATE)
         want = min(live, int((cut_s - 1.0) * SAMPLE_RATE))
         skip_to = want
@@ -504,6 +527,14 @@ class SessionManager(RecognizeSession):
     async def _after_audio(self) -> None:
         assert self.pos is not None
         self._update_lag()
+        shed = self.policy.shed_after_s
+        # A session gets `shed` seconds of audio before it may be shed again: one that
+        # started at the live edge has had no time to write anything yet.
+        if (shed is not None and self._cur is not None and self._next is None
+                and self.gauges.get("caption_lag_s", 0.0) > shed
+                and self._cur.fed >= shed * SAMPLE_RATE):
+            await self._replace_now("shed")
+            return
         cur = self._cur
         if cur is None:
             if self._clock() >= self._retry_at:
