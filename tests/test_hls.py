@@ -177,3 +177,16 @@ def test_a_long_final_is_split_into_timed_screens_across_segments() -> None:
     assert (s1, e2) == (2.0, 10.0) and e1 == s2 and s1 < e1 < e2
     assert " ".join(f"{t1} {t2}".split()) == text
     assert all(len(line) <= 42 for line in f"{t1}\n{t2}".splitlines())
+
+
+@unit
+def test_a_gap_event_shows_where_the_audio_was_skipped_and_moves_the_clock() -> None:
+    from dataclasses import replace
+
+    track = HlsTrack(HlsOptions(segment_s=4.0, window=10, delay_s=0.0))
+    track.add(caption(1, 1, "Before.", 1.0, 2.0))
+    track.add(replace(caption(2, 2, "", 2.5, 22.5, final=False), lines=(), gap_s=20.0))
+    assert track.clock_s == 22.5  # the skipped audio is behind us
+    segments = [track.segment(n) for n in range(track.last_segment() + 1)]
+    cues = {(s, e, t) for seg in segments if seg for _, s, e, t in cue_times(seg)}
+    assert (2.5, 22.5, "[20 s not captioned]") in cues

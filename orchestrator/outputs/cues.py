@@ -9,10 +9,19 @@ stream audio seconds (the stream's audio clock starts at 0 with the event).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from workers.captions.linebreak import LineProfile, pages
 from workers.events import CaptionSegment
+
+
+def as_note(seg: CaptionSegment) -> CaptionSegment:
+    """A gap event (audio skipped to catch up: `CaptionSegment.gap_s`) as the final an
+    archive or a subtitle track shows where it happened; any other publication as it is."""
+    if not seg.gap_s:
+        return seg
+    note = f"[{seg.gap_s:.0f} s not captioned]"
+    return replace(seg, is_final=True, text=note, lines=(note,), stable_prefix_len=len(note))
 
 # A final whose audio span is empty or negative (an engine that stamps no times) still
 # gets a cue long enough to read; 1 s per screen is below any reading-speed norm but

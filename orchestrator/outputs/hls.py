@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from orchestrator.outputs.archive import vtt_block
-from orchestrator.outputs.cues import Cue, FinalFilter, final_cues
+from orchestrator.outputs.cues import Cue, FinalFilter, as_note, final_cues
 from workers.bus import RedisBus, caption_from_json, captions_key
 from workers.captions.linebreak import WEB, LineProfile
 from workers.events import SAMPLE_RATE, CaptionSegment
@@ -75,6 +75,7 @@ class HlsTrack:
 
     def add(self, seg: CaptionSegment) -> None:
         self.last_seq = max(self.last_seq, seg.seq)
+        seg = as_note(seg)  # a gap event shows as "[N s not captioned]" where it was
         if not self._filter.accept(seg):
             return
         for cue in final_cues(seg, self.options.profile):

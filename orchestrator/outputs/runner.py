@@ -21,6 +21,7 @@ from redis.asyncio import Redis
 
 from orchestrator import metrics
 from orchestrator.outputs.archive import ArchiveError, ArchiveWriter
+from orchestrator.outputs.cues import as_note
 from orchestrator.outputs.youtube import YoutubeCaptionSink, YoutubeOptions
 from workers.bus import RedisBus, caption_from_json, captions_key
 from workers.captions.linebreak import WEB, LineProfile
@@ -76,12 +77,9 @@ class ArchiveSink:
         self.after_seq = held
 
     async def handle(self, seg: CaptionSegment) -> None:
-        if seg.gap_s:
-            # Audio skipped to catch up (the shedding policy): the archive says so where
-            # it happened, as a cue of its own.
-            note = f"[{seg.gap_s:.0f} s not captioned]"
-            seg = replace(seg, is_final=True, text=note, lines=(note,),
-                          stable_prefix_len=len(note))
+        # Audio skipped to catch up (the shedding policy): the archive says so where it
+        # happened, as a cue of its own.
+        seg = as_note(seg)
         if not seg.is_final:
             return  # interims are most publications; no thread hop for them
         n = await asyncio.to_thread(self.writer.write, seg)
