@@ -1,36 +1,54 @@
-"""Failover benchmark: ASR actors killed mid-sentence and a Ray node lost, against a
-stream that is not touched, in one run.
+"""Failover benchmark: an engine, an actor, a whole node (vanished or frozen) and an ingest
+process lost mid-talk, each with `--streams` streams, against a control round of the same
+streams untouched, in one run.
 
-    python -m bench.failover --json [--kill-at 14] [--model tiny.en]
+    python -m bench.failover --json [--modes engine_loss,node_vanish] [--streams 8]
 
-A local Redis and a Ray cluster of two nodes on this machine (Ray's cluster utilities);
-the five reference utterances (28.7 s) played twice, at real time, into four streams at
-once, each on an ASR actor of its own (the embedded engine, one thread each), plus a spare
-actor with no stream:
-- `control` (node a): never touched;
-- `resume` (node a): its actor's process is killed `--kill-at` seconds into the talk
-  (`ray.kill`; Ray restarts it); the stream resumes from its ASR cursor (the default);
-- `live_edge` (node a): killed the same way, with resuming off (`max_catchup_s` 0): the
-  new session starts at the live edge, as Babelcast did before;
-- `node_loss` (node b): node b's raylet is killed (SIGKILL by pid) at the same moment; the
-  stream moves to the spare actor on node a.
+A local Redis and a local Ray cluster (Ray's cluster utilities: a head node, and for the
+node modes a second node started as processes of its own). Rounds run one after another
+(2 cores cannot caption 48 streams at once); each round plays the five reference utterances
+(28.7 s) once, at real time, into `--streams` streams that all sit on one ASR actor (the
+embedded engine, one thread), next to a warm spare actor with room for all of them:
+- `control`: never touched (its words are what the modes are judged against);
+- `engine_loss`: the engine inside the actor dies: FAULT INJECTION (`KillableEngine`) unloads
+  the real model and reports the engine dead, as a crashed vLLM engine core does (the
+  embedded engine has no death of its own: it runs in the actor's process);
+- `actor_loss`: the actor's process is SIGKILLed by pid (Ray restarts it);
+- `node_vanish`: the actor runs on a second node; every process of that node (raylet,
+  workers, agents: the node's processes and all their descendants) is SIGKILLed at once;
+- `node_freeze`: the same node's processes are SIGSTOPped, and SIGCONTed `--freeze-s` later;
+  the frozen processes' Redis commands after they wake are counted (Redis MONITOR, by
+  their connections' ports): caption writes attempted after their streams moved;
+- `ingest_loss`: the streams are files played by one ingest actor, whose process is
+  SIGKILLed by pid (Ray restarts it; the files go on from the ingest cursor).
 The supervisor runs as `babelcast run` runs it (Ray's death signal plus a 5 s poll).
-Reported per touched stream: seconds from the kill to the stream on a live actor, the
-longest stretch without a caption from the kill on, and, against the control stream's
-words in the same run, words lost (deletions beyond the control's) and doubled
-(insertions beyond the control's), plus each stream's WER.
+`fault_happened` is true only when the process(es) were found and then seen dead (gone or
+a zombie) or stopped (state T), or, for `engine_loss`, the model seen unloaded.
+
+Reported per mode, over its streams: p50/p95/max of each stream's longest stretch without
+a caption from the fault to the end of the speech, the seconds until each stream is on a
+live actor, words lost and doubled against the control stream with the same index
+(deletions and insertions beyond the control's, jiwer), finals made twice, whether each
+stream's caption seq numbers run 1..n without a gap or a repeat. The control reports the
+same silence measure from the same point of the talk: what the CPU alone costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import math
 import os
 import signal
 import sys
+import tempfile
 import time
+import wave
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,52 +57,217 @@ import jiwer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STREAMS = ("control", "resume", "live_edge", "node_loss")
-TOUCHED = STREAMS[1:]
+MODES = ("engine_loss", "actor_loss", "node_vanish", "node_freeze", "ingest_loss")
+NODE_MODES = ("node_vanish", "node_freeze")
+SETTLE_S = 45.0
+"""After the speech: how long the streams get to finish their last sentence (a spare that
+took over 8 streams replays their audio from the cursor on 2 cores)."""
 
 
-def _words(ref: str, hyp: str) -> dict[str, int]:
-    out = jiwer.process_words(ref, hyp)
-    return {"deletions": out.deletions, "insertions": out.insertions,
-            "substitutions": out.substitutions}
+# ---- pure bookkeeping (tests/test_bench_failover_rules.py) ---------------------------
+def longest_silence(times: Iterable[float], start: float, end: float) -> float:
+    """The longest stretch in [start, end] without a caption time: from the fault to the
+    first caption after it, between captions, and from the last one to `end` (the end of
+    the speech: a stream that never captions again is silent all the way)."""
+    inside = sorted(t for t in times if start < t <= end)
+    marks = [start, *inside, end]
+    return max(b - a for a, b in itertools.pairwise(marks))
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+def seq_contiguous(seqs: Sequence[int]) -> bool:
+    """Seq numbers as published: 1, 2, ..., n, no gap and no repeat."""
+    return list(seqs) == list(range(1, len(seqs) + 1))
+
+
+def finals_doubled(final_segment_ids: Sequence[int]) -> int:
+    return len(final_segment_ids) - len(set(final_segment_ids))
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def pid_state(pid: int) -> str:
+    """'gone', 'zombie', 'stopped' or 'running' (psutil's other states count as running)."""
+    import psutil
+
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        return "gone"
+    if status == psutil.STATUS_ZOMBIE:
+        return "zombie"
+    if status == psutil.STATUS_STOPPED:
+        return "stopped"
+    return "running"
+
+
+@dataclass
+class Fault:
+    """What a fault did, checked: `happened` only when pids were found and each was then
+    seen in the wanted state."""
+
+    kind: str
+    pids: list[int] = field(default_factory=list)
+    states: dict[int, str] = field(default_factory=dict)
+    at: float = 0.0
+
+    def check(self, want: str) -> bool:
+        """want: 'dead' (gone or zombie), 'stopped' or 'running' (woken)."""
+        self.states = {p: pid_state(p) for p in self.pids}
+        ok = {"dead": {"gone", "zombie"}, "stopped": {"stopped"}, "running": {"running"}}[want]
+        return bool(self.pids) and all(s in ok for s in self.states.values())
+
+
+def signal_all(pids: Sequence[int], sig: int, want: str, wait_s: float = 5.0) -> Fault:
+    """Send `sig` to every pid at once, then wait until each is in `want`."""
+    fault = Fault(kind=signal.Signals(sig).name, pids=list(pids), at=time.time())
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    deadline = time.monotonic() + wait_s
+    while not fault.check(want) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return fault
+
+
+def node_pids(node: Any) -> list[int]:
+    """Every process of a node started by Ray's cluster utilities: the processes it
+    started (raylet, agents, log monitor) and all their descendants (the workers)."""
+    import psutil
+
+    roots = [info.process.pid for infos in node.all_processes.values() for info in infos
+             if info.process is not None]
+    out: set[int] = set()
+    for pid in roots:
+        try:
+            proc = psutil.Process(pid)
+            out.add(pid)
+            out.update(c.pid for c in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    return sorted(out)
+
+
+def redis_ports_of(pids: Sequence[int], redis_port: int) -> set[int]:
+    """The local ports of the processes' connections to Redis (to tell their commands
+    apart in MONITOR)."""
+    import psutil
+
+    ports: set[int] = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for c in psutil.Process(pid).net_connections(kind="tcp"):
+                if c.raddr and c.raddr.port == redis_port:
+                    ports.add(c.laddr.port)
+    return ports
+
+
+# ---- FAULT INJECTION: an embedded engine that can die inside its actor -----------------
+def _killable_actor_class() -> Any:
+    from orchestrator.ray_actors import AsrActor
+    from workers.engines.base import WrappedEngine
+
+    class KillableEngine(WrappedEngine):
+        """FAULT INJECTION (bench only): `kill()` unloads the real model and shuts its
+        decode thread down, so sessions fail, and reports the engine dead from then on."""
+
+        dead = False
+
+        async def kill(self) -> bool:
+            await self.inner.aclose()
+            self.dead = True
+            return getattr(self.inner, "_model", None) is None
+
+        async def check_health(self) -> bool:
+            return not self.dead and await self.inner.check_health()
+
+        def open_session(self, options: Any) -> Any:
+            return self.inner.open_session(options)
+
+    class KillableEngineAsrActor(AsrActor):
+        def __init__(self, options: Any, engine: Any) -> None:
+            super().__init__(options, engine)
+            self.host.engine = KillableEngine(self.host.engine)
+
+        async def kill_engine(self) -> dict[str, Any]:
+            return {"pid": os.getpid(), "unloaded": await self.host.engine.kill()}
+
+    return KillableEngineAsrActor
+
+
+# ---- one round -----------------------------------------------------------------------
+def talk_pcm() -> tuple[bytes, float]:
+    from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16
+    from workers.events import SAMPLE_RATE
+
+    talk = b"".join(decode_pcm16(AUDIO / f"{n}.flac") for n in REFERENCE_FILES)
+    return talk + bytes(3 * 2 * SAMPLE_RATE), len(talk) / 2 / SAMPLE_RATE
+
+
+async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str, Any]:
     import ray
 
     from orchestrator.config import parse_event
-    from orchestrator.ray_actors import AsrActor
+    from orchestrator.ray_actors import AsrActor, IngestActor
     from orchestrator.router import Router
     from orchestrator.runtime import EventRuntime
-    from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize, reference_text
+    from tests.speech import normalize, reference_text
     from workers.asr import AsrHostOptions
     from workers.bus import RedisBus, connect_redis
     from workers.engines.embedded import EmbeddedEngineOptions
     from workers.events import SAMPLE_RATE, AudioChunk
+    from workers.ingest import IngestHostOptions
 
-    talk = b"".join(decode_pcm16(AUDIO / f"{n}.flac") for n in REFERENCE_FILES)
-    pcm = talk * 2 + bytes(3 * 2 * SAMPLE_RATE)
-    reference = normalize(" ".join([reference_text()] * 2))
-    streams = "\n".join(f"  - {{id: {s}, source: push, language: en}}" for s in STREAMS)
-    cfg = parse_event(f'event: failover\nredis: {{url: "{args.redis_url}"}}\n'
-                      f"engine: {{actors: 5, streams_per_actor: 1}}\nstreams:\n{streams}\n")
+    pcm, speech_s = talk_pcm()
+    reference = normalize(reference_text())
+    ids = [f"{mode.replace('_', '-')}-{i}" for i in range(args.streams)]
+    file_source = mode == "ingest_loss"
+    if file_source:
+        wav = Path(args.tmp) / "talk.wav"
+        with wave.open(str(wav), "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(SAMPLE_RATE)
+            w.writeframes(pcm)
+        src = f'"{wav}"'
+    else:
+        src = "push"
+    lines = "\n".join(f"  - {{id: {s}, source: {src}, language: en}}" for s in ids)
+    cfg = parse_event(f'event: failover-{mode}\nredis: {{url: "{args.redis_url}"}}\n'
+                      f"engine: {{actors: 2, streams_per_actor: {args.streams}}}\n"
+                      f"ingest: {{actors: 1}}\nstreams:\n{lines}\n")
     runtime = EventRuntime(cfg, redis_url=args.redis_url)
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
-    for i, sid in enumerate((*STREAMS, "spare")):
-        node = "node_b" if sid == "node_loss" else "node_a"
-        runtime.asr[sid] = cls.options(name=f"bench-failover-{sid}",
-                                       resources={node: 1}).remote(
-            AsrHostOptions(actor_id=f"asr-{i}", redis_url=args.redis_url, max_streams=1,
-                           max_catchup_s=0.0 if sid == "live_edge" else 15.0),
+    victim_cls = _killable_actor_class() if mode == "engine_loss" else AsrActor
+    for role in ("victim", "spare"):
+        cls = victim_cls if role == "victim" else AsrActor
+        where = "node_b" if role == "victim" and mode in NODE_MODES else "node_a"
+        runtime.asr[f"{mode}-{role}"] = ray.remote(num_cpus=0, max_restarts=-1)(cls).options(
+            name=f"bench-failover-{mode}-{role}", resources={where: 1}).remote(
+            AsrHostOptions(actor_id=f"{mode}-{role}", redis_url=args.redis_url,
+                           max_streams=args.streams, max_catchup_s=15.0),
             EmbeddedEngineOptions(model=args.model, cpu_threads=1))
-    runtime.router = Router(budget=1, actors=[*STREAMS, "spare"])
+    victim, spare = f"{mode}-victim", f"{mode}-spare"
+    if file_source:
+        runtime.ingest["ingest-0"] = ray.remote(num_cpus=0, max_restarts=-1)(
+            IngestActor).options(name=f"bench-failover-{mode}-ingest",
+                                 resources={"node_a": 1}).remote(
+            IngestHostOptions(actor_id=f"{mode}-ingest", redis_url=args.redis_url))
+    runtime.router = Router(budget=args.streams, actors=[victim, spare])
+    runtime.router.pins.update({sid: victim for sid in ids})
     redis = connect_redis(args.redis_url)
     bus = RedisBus(redis)
     chunk = SAMPLE_RATE // 10
     fed = [0]
-    at_kill = asyncio.Event()
-    out: dict[str, Any] = {"model": args.model, "kill_at_s": args.kill_at,
-                           "talk_s": round(len(pcm) / 2 / SAMPLE_RATE, 1)}
+    out: dict[str, Any] = {"streams": args.streams}
+    fault = Fault(kind="none")
+    frozen_wake: dict[str, Any] = {}
 
     async def feed() -> None:
         t0 = time.monotonic()
@@ -92,103 +275,273 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(max(0.0, t0 + (i // 2 + chunk) / SAMPLE_RATE
                                     - time.monotonic()))
             now = time.time()
-            for sid in STREAMS:
+            for sid in ids:
                 await bus.add_audio(AudioChunk(sid, i // 2, pcm[i:i + chunk * 2], now))
             fed[0] = i // 2 + chunk
-            if fed[0] >= args.kill_at * SAMPLE_RATE:
-                at_kill.set()
 
+    async def audio_s() -> float:
+        if file_source:
+            return (await bus.last_audio_end(ids[0]))[0] / SAMPLE_RATE
+        return fed[0] / SAMPLE_RATE
+
+    async def owner_state(actor: str, handle: Any) -> tuple[dict[str, Any], list[str]] | None:
+        try:
+            st = await asyncio.wait_for(handle.state.remote(), 2)
+            return st, await asyncio.wait_for(handle.streams.remote(), 2)
+        except Exception:
+            return None
+
+    supervisor = None
+    feeder = None
     try:
         await runtime.place_all()
         await runtime.warm_spares()
-        pids = {sid: (await runtime.asr[sid].state.remote())["pid"] for sid in TOUCHED}
+        vstate = await runtime.asr[victim].state.remote()
+        old_pid = vstate["pid"]
+        if file_source:
+            old_pid = (await runtime.ingest["ingest-0"].state.remote())["pid"]
         supervisor = asyncio.create_task(runtime.supervise())
-        feeder = asyncio.create_task(feed())
-        await at_kill.wait()
-        killed_wall, killed_epoch = time.monotonic(), time.time()
-        killed_audio = fed[0] / SAMPLE_RATE
-        for sid in ("resume", "live_edge"):
-            ray.kill(runtime.asr[sid], no_restart=False)
-        os.kill(args.raylet_b, signal.SIGKILL)
-        back: dict[str, float] = {}
-        while len(back) < len(TOUCHED) and time.monotonic() - killed_wall < 60:
-            for sid in TOUCHED:
-                owner = runtime.router.pins[sid]
-                if sid in back:
-                    continue
-                try:
-                    st = await asyncio.wait_for(runtime.asr[owner].state.remote(), 2)
-                    if (owner != sid or st["pid"] != pids[sid]) and \
-                            sid in await runtime.asr[owner].streams.remote():
-                        back[sid] = time.monotonic() - killed_wall
-                except Exception:
-                    pass
+        if not file_source:
+            feeder = asyncio.create_task(feed())
+        speech_start = time.time() if not file_source else None
+        while await audio_s() < args.kill_at:  # noqa: ASYNC110 - a clock in Redis, polled
             await asyncio.sleep(0.05)
-        await feeder
-        await asyncio.sleep(8)  # the last sentence closes
+        if speech_start is None:  # the file's clock: where the ingest actor is now
+            speech_start = time.time() - await audio_s()
+        speech_end = speech_start + speech_s
+        killed_audio = await audio_s()
+        frozen_ports: set[int] = set()
+        if mode == "control":
+            fault = Fault(kind="none", at=time.time())
+        elif mode == "engine_loss":
+            at = time.time()
+            res = await runtime.asr[victim].kill_engine.remote()
+            fault = Fault(kind="engine", pids=[res["pid"]], at=at)
+            fault.states = {res["pid"]: "engine unloaded" if res["unloaded"] else "loaded"}
+            happened = bool(res["unloaded"]) and res["pid"] == old_pid
+        elif mode in ("actor_loss", "ingest_loss"):
+            fault = signal_all([old_pid], signal.SIGKILL, "dead")
+            happened = fault.check("dead")
+        elif mode == "node_vanish":
+            pids = node_pids(node)
+            fault = signal_all(pids, signal.SIGKILL, "dead")
+            happened = fault.check("dead") and old_pid in pids
+        else:  # node_freeze
+            pids = node_pids(node)
+            frozen_ports = redis_ports_of(pids, args.redis_port)
+            fault = signal_all(pids, signal.SIGSTOP, "stopped")
+            happened = fault.check("stopped") and old_pid in pids
+        if mode != "control":
+            out["fault_happened"] = happened
+            out["fault_pids"] = len(fault.pids)
+        killed_wall = time.monotonic()
+
+        back: dict[str, float] = {}
+        ingest = runtime.ingest.get("ingest-0")
+        monitor: asyncio.Task[None] | None = None
+        late = {"commands": 0, "caption_writes": 0}
+
+        async def watch_late() -> None:
+            # MONITOR echoes every command with its arguments (caption text among them):
+            # only the command name and the client's port are looked at, nothing is kept.
+            async with connect_redis(args.redis_url) as conn, conn.monitor() as m:
+                async for cmd in m.listen():
+                    if int(cmd.get("client_port") or 0) in frozen_ports:
+                        late["commands"] += 1
+                        name = str(cmd.get("command", "")).split(" ", 1)[0].upper()
+                        if name in ("EVALSHA", "EVAL", "XADD") and \
+                                "caption" in str(cmd.get("command", ""))[:200]:
+                            late["caption_writes"] += 1
+
+        deadline = speech_end + SETTLE_S
+        woke = False
+        while time.time() < deadline:
+            if mode == "node_freeze" and not woke and \
+                    time.monotonic() - killed_wall >= args.freeze_s:
+                woke = True
+                monitor = asyncio.create_task(watch_late())
+                await asyncio.sleep(0.2)  # MONITOR is on before the first late command
+                cont = signal_all(fault.pids, signal.SIGCONT, "running", wait_s=2.0)
+                frozen_wake["woke_after_s"] = round(time.monotonic() - killed_wall, 2)
+                frozen_wake["resumed"] = sum(1 for s in cont.states.values()
+                                             if s == "running")
+            if mode != "control" and len(back) < len(ids):
+                if file_source:
+                    assert ingest is not None
+                    got = await owner_state("ingest-0", ingest)
+                    if got is not None and got[0]["pid"] != old_pid:
+                        for sid in ids:
+                            if sid in got[1] and sid not in back:
+                                back[sid] = time.monotonic() - killed_wall
+                else:
+                    seen: dict[str, Any] = {}
+                    for sid in ids:
+                        owner = runtime.router.pins[sid]
+                        if sid in back:
+                            continue
+                        if owner not in seen:
+                            seen[owner] = await owner_state(owner, runtime.asr[owner])
+                        got = seen[owner]
+                        if got is None:
+                            continue
+                        st, streams = got
+                        live = owner != victim or (st["pid"] != old_pid
+                                                   and st.get("engine_ok") is not False)
+                        if live and st.get("started") and sid in streams:
+                            back[sid] = time.monotonic() - killed_wall
+            if time.time() > speech_end + 3 and (mode != "node_freeze" or woke):
+                done = True  # every stream finished its last sentence
+                for sid in ids:
+                    caps = await bus.captions_after(sid, "en", 0, count=100_000)
+                    if not (caps and caps[-1].is_final
+                            and caps[-1].audio_end_s >= speech_s - 2.0):
+                        done = False
+                        break
+                if done and (mode == "control" or len(back) == len(ids)):
+                    break
+            await asyncio.sleep(0.25)
+        if feeder is not None:
+            await feeder
+        if monitor is not None:
+            await asyncio.sleep(2.0)
+            monitor.cancel()
+            with contextlib.suppress(BaseException):
+                await monitor
+            if monitor.cancelled() is False and monitor.exception() is not None:
+                frozen_wake["monitor_error"] = type(monitor.exception()).__name__
+            frozen_wake["late_commands"] = late["commands"]
+            frozen_wake["late_caption_writes"] = late["caption_writes"]
+            frozen_wake["alive_after_wake"] = sum(
+                1 for p in fault.pids if pid_state(p) in ("running", "stopped"))
+            frozen_wake["processes"] = len(fault.pids)
         supervisor.cancel()
-        texts = {}
-        for sid in STREAMS:
+
+        silences, backs, per_stream = [], [], []
+        for sid in ids:
             caps = await bus.captions_after(sid, "en", 0, count=100_000)
-            texts[sid] = normalize(" ".join(c.text for c in caps if c.is_final))
-            seqs = [c.seq for c in caps]
+            text = normalize(" ".join(c.text for c in caps if c.is_final))
+            words = jiwer.process_words(reference, text)
             finals = [c.segment_id for c in caps if c.is_final]
-            out[sid] = {"wer": round(float(jiwer.wer(reference, texts[sid])), 4),
-                        **_words(reference, texts[sid]),
-                        "seq_contiguous": seqs == list(range(1, len(seqs) + 1)),
-                        "finals_doubled": len(finals) - len(set(finals)),
-                        "captions_left_open": len({c.segment_id for c in caps}
-                                                  - set(finals))}
-        control = out["control"]
-        out["killed_at_audio_s"] = round(killed_audio, 2)
-        for sid in TOUCHED:
+            silence = longest_silence([c.emit_time for c in caps], fault.at, speech_end)
+            silences.append(silence)
+            if sid in back:
+                backs.append(back[sid])
             status = await bus.get_status(sid)
-            caps = await bus.captions_after(sid, "en", 0, count=100_000)
-            times = [killed_epoch, *sorted(c.emit_time for c in caps
-                                           if c.emit_time > killed_epoch)]
-            row = out[sid]
-            row["owner_after"] = runtime.router.pins[sid]
-            row["on_a_live_actor_after_s"] = round(back.get(sid, -1), 2)
-            row["longest_caption_silence_s"] = round(
-                max(b - a for a, b in itertools.pairwise(times)), 2)
-            row["words_lost_vs_control"] = row["deletions"] - control["deletions"]
-            row["words_doubled_vs_control"] = row["insertions"] - control["insertions"]
-            row["resumes"] = int(float(status.get("resumes", 0)))
-            row["resume_skipped_s"] = float(status.get("resume_skipped_s", 0))
+            per_stream.append({
+                "deletions": words.deletions, "insertions": words.insertions,
+                "wer": float(jiwer.wer(reference, text)),
+                "seq_contiguous": seq_contiguous([c.seq for c in caps]),
+                "finals_doubled": finals_doubled(finals),
+                "captions_left_open": len({c.segment_id for c in caps} - set(finals)),
+                "resumes": int(float(status.get("resumes", 0) or 0)),
+                "silence": silence})
+        out.update(
+            fault_at_audio_s=round(killed_audio, 2),
+            longest_caption_silence_p50_s=_r(percentile(silences, 50)),
+            longest_caption_silence_p95_s=_r(percentile(silences, 95)),
+            longest_caption_silence_max_s=_r(max(silences)),
+            finals_doubled=sum(p["finals_doubled"] for p in per_stream),
+            seq_contiguous=all(p["seq_contiguous"] for p in per_stream),
+            captions_left_open=sum(p["captions_left_open"] for p in per_stream),
+            wer_mean=round(sum(p["wer"] for p in per_stream) / len(per_stream), 4),
+            resumes=sum(p["resumes"] for p in per_stream))
+        if mode != "control":
+            out.update(on_a_live_actor_after_p50_s=_r(percentile(backs, 50)),
+                       on_a_live_actor_after_p95_s=_r(percentile(backs, 95)),
+                       on_a_live_actor_after_max_s=_r(max(backs, default=None)),
+                       streams_never_on_a_live_actor=len(ids) - len(back),
+                       moved_to_spare=sum(1 for s in ids if runtime.router.pins[s] == spare))
+        if frozen_wake:
+            out["frozen_node_after_wake"] = frozen_wake
+        out["_per_stream"] = per_stream
     finally:
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        if supervisor is not None:
+            supervisor.cancel()
+        for handle in [*runtime.asr.values(), *runtime.ingest.values()]:
+            with contextlib.suppress(Exception):
+                ray.kill(handle, no_restart=True)
         await redis.aclose()
     return out
 
 
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+def against_control(row: dict[str, Any], control: dict[str, Any]) -> None:
+    """Words lost/doubled: each stream's deletions/insertions beyond those of the control
+    stream with the same index (same audio, same place in the round)."""
+    lost = [p["deletions"] - c["deletions"]
+            for p, c in zip(row["_per_stream"], control["_per_stream"], strict=True)]
+    doubled = [p["insertions"] - c["insertions"]
+               for p, c in zip(row["_per_stream"], control["_per_stream"], strict=True)]
+    row["words_lost_vs_control"] = sum(lost)
+    row["words_lost_vs_control_max_stream"] = max(lost)
+    row["words_doubled_vs_control"] = sum(doubled)
+    row["words_doubled_vs_control_max_stream"] = max(doubled)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kill-at", type=float, default=14.0,
-                    help="seconds into the talk (14: inside its third sentence)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--kill-at", type=float, default=8.0,
+                    help="seconds into the talk (8: inside its second sentence)")
+    ap.add_argument("--freeze-s", type=float, default=25.0,
+                    help="node_freeze: seconds frozen (Ray declares a silent node dead "
+                         "after ~15-20 s)")
     ap.add_argument("--model", default="tiny.en")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in MODES]:
+        ap.error(f"unknown mode(s): {bad}")
+    if args.streams < 1:
+        ap.error("--streams must be at least 1")
     import ray
-    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
     from orchestrator.redis_server import LocalRedisServer
 
     server = LocalRedisServer()
     args.redis_url = server.start()
+    args.redis_port = int(args.redis_url.rsplit(":", 1)[1].split("/")[0])
+    args.tmp = tempfile.mkdtemp(prefix="babelcast-failover-")
     cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 2, "resources": {"node_a": 8},
+                      head_node_args={"num_cpus": 2, "resources": {"node_a": 100},
                                       "include_dashboard": False})
-    node_b = cluster.add_node(num_cpus=1, resources={"node_b": 8})
-    args.raylet_b = node_b.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
     ray.init(address=cluster.address, log_to_driver=False)
+    result: dict[str, Any] = {"model": args.model, "streams": args.streams,
+                              "kill_at_s": args.kill_at, "talk_s": round(talk_pcm()[1], 1),
+                              "freeze_s": args.freeze_s, "modes": modes}
+    started = time.monotonic()
     try:
-        result = asyncio.run(run(args))
+        for mode in ["control", *modes]:
+            node = None
+            if mode in NODE_MODES:
+                node = cluster.add_node(num_cpus=1, resources={"node_b": 100})
+                cluster.wait_for_nodes()
+            t0 = time.monotonic()
+            try:
+                result[mode] = asyncio.run(run_round(mode, args, node))
+            except Exception as exc:  # one round failing still reports the others
+                result[mode] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            result[mode]["round_s"] = round(time.monotonic() - t0, 1)
+            if node is not None:
+                with contextlib.suppress(Exception):
+                    cluster.remove_node(node, allow_graceful=False)
     finally:
         ray.shutdown()
         cluster.shutdown()  # type: ignore[no-untyped-call]
         server.stop()
+    control = result["control"]
+    for mode in modes:
+        if "_per_stream" in result[mode] and "_per_stream" in control:
+            against_control(result[mode], control)
+    for mode in ["control", *modes]:
+        result[mode].pop("_per_stream", None)
+    result["ran_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
