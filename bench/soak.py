@@ -4,21 +4,32 @@ taking turns every `--fault-every` minutes. Prints JSON.
 
     .venv/bin/python -m bench.soak --minutes 60 --json [--streams 4] [--fault-every 15]
 
-Measured: RSS per process kind: first sample after warm-up → last, the growth over the
-second half of that span (a leak keeps growing, a process settling in does not) and a
-sample every 5 minutes. A process that was killed starts over, so its growth is measured
-from its replacement's first sample after a warm-up (every stream captioning again, then
-`WARMUP_S`): a restarted ASR actor is still loading its model and opening sessions for a
-while, and a sample taken then read as 130 % growth. Also finals lost (a final in the
-Stream that a client following it live never got), seq gaps and duplicates seen by those
-clients, and per fault the longest caption silence on any stream after it (fault → that
-stream's next caption); no fault is injected in the last two minutes.
+Counted truthfully:
+- A fault is recorded only when its process was found and then seen dead (gone, or a
+  zombie) within `KILL_VERIFY_S`; a fault due with no process to kill, or one that did not
+  die, goes to `faults_not_done` with the reason, never into `faults`.
+- Finals lost are counted from the seq numbers the publisher issued (one per publication
+  on (stream, lang), 1, 2, 3, ...): every seq a client following a stream never saw is a
+  publication lost to it; those also missing from the Redis Stream were lost at the
+  source (inside a Redis restart, say), which comparing clients with the Stream alone
+  cannot show. A missing seq may have been a final or a partial; a segment whose final
+  neither the client nor the Stream holds is a lost final (`finals_lost`), and so is a
+  final the Stream holds that the client missed. Repeats (a seq not above the last one,
+  e.g. a counter reset) are counted apart.
+- RSS per role (ASR actor, ingest actor, raylet, gcs, redis-server, babelcast-run: the
+  gateway and the supervisor): a replaced process's successor continues its role's series
+  (once warm: every stream captioning again after it appeared, and `WARMUP_S` more), and
+  growth is reported per role over the whole soak (first warm sample of the role to its
+  last, whichever process held it), besides the last process's own growth.
+Per fault, the longest caption silence on any stream after it (fault -> that stream's next
+caption); no fault is injected in the last two minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -41,12 +52,15 @@ from tests.speech import AUDIO
 WARMUP_S = 30.0
 """After the start and after a process is replaced: models loaded, sessions open, the
 first captions out, before its RSS counts."""
+KILL_VERIFY_S = 5.0
+"""A SIGKILLed process is gone (or a zombie) within this, or the fault did not happen."""
 FAULT_MARGIN_S = 120.0
 """No fault this close to the end."""
 SERIES_EVERY_S = 300.0
 KINDS = {"redis-server": "redis-server", "ray::AsrActor": "asr-actor",
          "ray::IngestActor": "ingest-actor", "raylet": "raylet", "gcs_server": "gcs",
-         "orchestrator.cli": "babelcast-run"}
+         "orchestrator.gateway.workers": "gateway-worker", "orchestrator.cli": "babelcast-run"}
+"""Needles in a process's command line -> its role (the first that matches)."""
 
 
 def _rss_by_kind(root: int) -> dict[str, tuple[int, float]]:
@@ -69,6 +83,84 @@ def _rss_by_kind(root: int) -> dict[str, tuple[int, float]]:
     return out
 
 
+def pid_dead(pid: int) -> bool:
+    """Gone, or a zombie (killed, not reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def kill_verified(pid: int | None, wait_s: float = KILL_VERIFY_S) -> bool:
+    """SIGKILL `pid` and wait until it is dead; False when there was no pid, or it lives."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False  # already gone: not this fault's doing
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if pid_dead(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def seq_audit(seen: list[int]) -> dict[str, int]:
+    """The seq numbers one client saw, in arrival order, against the publisher's 1, 2, ...:
+    `missing` numbers below the highest seen that never arrived, `repeats` arrivals not
+    above the one before."""
+    repeats = sum(1 for x, y in itertools.pairwise(seen) if y <= x)
+    top = max(seen, default=0)
+    return {"missing": len(set(range(1, top + 1)) - set(seen)), "repeats": repeats}
+
+
+def finals_lost(client: dict[int, tuple[int, bool]], stream: dict[int, tuple[int, bool]],
+                first_in_stream: int = 1) -> dict[str, int]:
+    """seq -> (segment_id, is_final) as one client saw them and as the Redis Stream holds
+    them (the Stream from `first_in_stream` on: older entries may be trimmed). A final
+    the Stream holds that the client never got, and a segment (seen as a partial by either)
+    whose final neither has, below the last segment the client saw, is lost; so is a
+    segment id below that one that neither saw at all."""
+    top = max(client, default=0)
+    missed = sum(1 for seq, (_, fin) in stream.items()
+                 if fin and seq <= top and seq not in client)
+    segments = {seg for seg, _ in (*client.values(), *stream.values())}
+    finals = {seg for seg, fin in (*client.values(), *stream.values()) if fin}
+    last = max((seg for seg, _ in client.values()), default=0)
+    # Segment ids go up by one: an id below the last that neither saw at all was a whole
+    # segment lost (its partials and its final).
+    first = min(segments, default=1)
+    unfinished = sum(1 for seg in range(first, last) if seg not in finals)
+    lost_at_source = len({s for s in range(max(1, first_in_stream), top + 1)
+                          if s not in client and s not in stream})
+    return {"finals_lost": missed + unfinished, "finals_missed_by_client": missed,
+            "segments_never_final": unfinished, "seqs_lost_at_source": lost_at_source}
+
+
+def role_growth(samples: list[dict[str, tuple[int, float]]], role: str,
+                every: int) -> dict[str, Any] | None:
+    """One role's RSS over the whole soak, whichever process held it (samples of a
+    replacement that is not warm yet are left out by `Warmup`)."""
+    series = [(s[role][0], s[role][1]) for s in samples if role in s]
+    if not series:
+        return None
+    first, last = series[0][1], series[-1][1]
+    half = series[len(series) // 2][1]
+    last_pid = series[-1][0]
+    own = [mb for pid, mb in series if pid == last_pid]
+    return {"first_mb": round(first, 1), "last_mb": round(last, 1),
+            "growth_pct": round(100 * (last - first) / first, 1),
+            # A leak keeps growing; a process settling in does not.
+            "second_half_growth_pct": round(100 * (last - half) / half, 1),
+            "processes": len({pid for pid, _ in series}),
+            "last_process_growth_pct": round(100 * (own[-1] - own[0]) / own[0], 1),
+            "every_5_min_mb": [round(mb, 1) for _, mb in series[::every]],
+            "measured_minutes": round(len(series) * 5 / 60, 1)}
+
+
 class Auditor:
     """Follows one stream's captions from seq 0, reconnecting with `since`."""
 
@@ -76,6 +168,8 @@ class Auditor:
         self.url = url
         self.seqs: list[int] = []
         self.finals: set[int] = set()
+        self.seen: dict[int, tuple[int, bool]] = {}
+        """seq -> (segment_id, is_final), as received."""
         self.times: list[float] = []
         self.reconnects = 0
 
@@ -89,11 +183,17 @@ class Auditor:
                             msg = json.loads(await asyncio.wait_for(ws.recv(), 1.0))
                         except TimeoutError:
                             continue
+                        if "seq" not in msg:
+                            continue
+                        # Withdraws and gap events take seq numbers too: all count for
+                        # continuity, only captions for finals and silence.
+                        is_final = msg.get("type") == "caption" and bool(msg["is_final"])
+                        self.seqs.append(msg["seq"])
+                        self.seen[msg["seq"]] = (msg.get("segment_id", 0), is_final)
                         if msg.get("type") != "caption":
                             continue
-                        self.seqs.append(msg["seq"])
                         self.times.append(time.time())
-                        if msg["is_final"]:
+                        if is_final:
                             self.finals.add(msg["seq"])
             except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus):
                 self.reconnects += 1
@@ -168,7 +268,8 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
     base = f"http://127.0.0.1:{port}"
     ws_base = base.replace("http://", "ws://")
     result: dict[str, Any] = {"minutes": minutes, "streams": n_streams,
-                              "fault_every_min": fault_every_min, "faults": []}
+                              "fault_every_min": fault_every_min, "faults": [],
+                              "faults_not_done": []}
     try:
         async with httpx.AsyncClient(base_url=base) as http:
             deadline = time.monotonic() + 180
@@ -201,9 +302,13 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
                     started + minutes * 60 - time.monotonic() >= FAULT_MARGIN_S):
                 target = raw.get(fault_kind)
                 at = time.time()
-                if target is not None:
-                    os.kill(target[0], signal.SIGKILL)
-                result["faults"].append({"kind": fault_kind, "at": at})
+                pid = target[0] if target is not None else None
+                if await asyncio.to_thread(kill_verified, pid):
+                    result["faults"].append({"kind": fault_kind, "at": at, "pid": pid})
+                else:
+                    result["faults_not_done"].append({
+                        "kind": fault_kind, "at": at,
+                        "why": "no process found" if pid is None else "did not die"})
                 fault_kind = "redis-server" if fault_kind == "asr-actor" else "asr-actor"
                 next_fault += fault_every_min * 60
         ended = time.monotonic()
@@ -211,8 +316,10 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
         await asyncio.gather(*tasks, return_exceptions=True)
         joined = sum(r for r in await asyncio.gather(*churners, return_exceptions=True)
                      if isinstance(r, int))
-        # What the Stream holds, read back from seq 0, against what the clients saw live.
-        lost = gaps = dups = 0
+        # What the Stream holds, read back from seq 0, against what the clients saw live
+        # and against the seq numbers the publisher issued.
+        lost: dict[str, int] = {}
+        gaps = dups = 0
         for sid, a in auditors.items():
             replay: list[dict[str, Any]] = []
             async with websockets.connect(f"{ws_base}/v1/streams/{sid}/captions?lang=en"
@@ -220,14 +327,19 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
                 last_seen = max(a.seqs, default=0)
                 while not replay or replay[-1].get("seq", 0) < last_seen:
                     try:  # the streams go on: read up to what the auditor saw
-                        replay.append(json.loads(await asyncio.wait_for(ws.recv(), 5.0)))
+                        msg = json.loads(await asyncio.wait_for(ws.recv(), 5.0))
                     except TimeoutError:
                         break
-            stream_finals = {m["seq"] for m in replay if m.get("is_final")}
-            lost += len({s for s in stream_finals if s <= max(a.seqs, default=0)}
-                        - a.finals)
-            gaps += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y > x + 1)
-            dups += sum(1 for x, y in zip(a.seqs, a.seqs[1:], strict=False) if y <= x)
+                    if "seq" in msg:
+                        replay.append(msg)
+            stream = {m["seq"]: (m.get("segment_id", 0),
+                                 m.get("type") == "caption" and bool(m["is_final"]))
+                      for m in replay}
+            for k, v in finals_lost(a.seen, stream, min(stream, default=1)).items():
+                lost[k] = lost.get(k, 0) + v
+            audit = seq_audit(a.seqs)
+            gaps += audit["missing"]
+            dups += audit["repeats"]
         for fault in result["faults"]:
             silences: list[float] = []
             for a in auditors.values():
@@ -235,24 +347,12 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
                 silences.append(round(after[0] - fault["at"], 1) if after else float("inf"))
             worst = max(silences, default=float("inf"))
             fault["longest_caption_silence_s"] = None if worst == float("inf") else worst
-        growth: dict[str, Any] = {}
         every = max(1, int(SERIES_EVERY_S / 5))  # samples are 5 s apart
-        for kind in KINDS.values():
-            series = [(s[kind][0], s[kind][1]) for s in rss_samples if kind in s]
-            if not series:
-                continue
-            last_pid = series[-1][0]
-            same = [mb for pid, mb in series if pid == last_pid]
-            half = same[len(same) // 2]
-            growth[kind] = {"first_mb": round(same[0], 1), "last_mb": round(same[-1], 1),
-                            "growth_pct": round(100 * (same[-1] - same[0]) / same[0], 1),
-                            # A leak keeps growing; a process settling in does not.
-                            "second_half_growth_pct": round(100 * (same[-1] - half) / half, 1),
-                            "every_5_min_mb": [round(mb, 1) for mb in same[::every]],
-                            "measured_minutes": round(len(same) * 5 / 60, 1)}
+        growth = {role: g for role in dict.fromkeys(KINDS.values())
+                  if (g := role_growth(rss_samples, role, every)) is not None}
         result.update(ran_minutes=round((ended - started) / 60, 1), rss=growth,
-                      replacement_warmups_s=warm.warmups_s, finals_lost=lost, seq_gaps=gaps,
-                      seq_duplicates=dups,
+                      replacement_warmups_s=warm.warmups_s, **lost,
+                      seqs_missed_by_clients=gaps, seq_repeats=dups,
                       finals_seen=sum(len(a.finals) for a in auditors.values()),
                       auditor_reconnects=sum(a.reconnects for a in auditors.values()),
                       churn_clients=joined)
