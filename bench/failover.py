@@ -172,6 +172,7 @@ def redis_ports_of(pids: Sequence[int], redis_port: int) -> set[int]:
 # ---- FAULT INJECTION: an embedded engine that can die inside its actor -----------------
 def _killable_actor_class() -> Any:
     from orchestrator.ray_actors import AsrActor
+    from workers.asr import AsrHost
     from workers.engines.base import WrappedEngine
 
     class KillableEngine(WrappedEngine):
@@ -194,10 +195,12 @@ def _killable_actor_class() -> Any:
     class KillableEngineAsrActor(AsrActor):
         def __init__(self, options: Any, engine: Any) -> None:
             super().__init__(options, engine)
-            self.host.engine = KillableEngine(self.host.engine)
+            assert isinstance(self.host, AsrHost)
+            self.killable = KillableEngine(self.host.engine)
+            self.host.engine = self.killable
 
         async def kill_engine(self) -> dict[str, Any]:
-            return {"pid": os.getpid(), "unloaded": await self.host.engine.kill()}
+            return {"pid": os.getpid(), "unloaded": await self.killable.kill()}
 
     return KillableEngineAsrActor
 
@@ -486,8 +489,9 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--kill-at", type=float, default=8.0,
-                    help="seconds into the talk (8: inside its second sentence)")
+    ap.add_argument("--kill-at", type=float, default=14.0,
+                    help="seconds into the talk (14: inside its third sentence, after two "
+                         "finals: a stream with no final yet has no cursor to resume from)")
     ap.add_argument("--freeze-s", type=float, default=25.0,
                     help="node_freeze: seconds frozen (Ray declares a silent node dead "
                          "after ~15-20 s)")
