@@ -117,23 +117,29 @@ def seq_audit(seen: list[int]) -> dict[str, int]:
     return {"missing": len(set(range(1, top + 1)) - set(seen)), "repeats": repeats}
 
 
-def finals_lost(client: dict[int, tuple[int, bool]], stream: dict[int, tuple[int, bool]],
+def message_kind(msg: dict[str, Any]) -> str:
+    """'final', 'partial', 'withdraw' or 'gap' (a wire message with a seq)."""
+    if msg.get("type") == "caption":
+        return "final" if msg.get("is_final") else "partial"
+    return str(msg.get("type"))
+
+
+def finals_lost(client: dict[int, tuple[int, str]], stream: dict[int, tuple[int, str]],
                 first_in_stream: int = 1) -> dict[str, int]:
-    """seq -> (segment_id, is_final) as one client saw them and as the Redis Stream holds
-    them (the Stream from `first_in_stream` on: older entries may be trimmed). A final
-    the Stream holds that the client never got, and a segment (seen as a partial by either)
-    whose final neither has, below the last segment the client saw, is lost; so is a
-    segment id below that one that neither saw at all."""
+    """seq -> (segment_id, `message_kind`) as one client saw them and as the Redis Stream
+    holds them (the Stream from `first_in_stream` on: older entries may be trimmed). Lost:
+    a final the Stream holds that the client never got; a segment below the last one the
+    client saw that neither holds a final or a withdraw for (segment ids go up by one, so
+    one neither saw at all was a whole segment lost: its partials and its final). Seq
+    numbers neither holds were issued and lost at the source (inside a Redis restart)."""
     top = max(client, default=0)
-    missed = sum(1 for seq, (_, fin) in stream.items()
-                 if fin and seq <= top and seq not in client)
-    segments = {seg for seg, _ in (*client.values(), *stream.values())}
-    finals = {seg for seg, fin in (*client.values(), *stream.values()) if fin}
-    last = max((seg for seg, _ in client.values()), default=0)
-    # Segment ids go up by one: an id below the last that neither saw at all was a whole
-    # segment lost (its partials and its final).
-    first = min(segments, default=1)
-    unfinished = sum(1 for seg in range(first, last) if seg not in finals)
+    missed = sum(1 for seq, (_, kind) in stream.items()
+                 if kind == "final" and seq <= top and seq not in client)
+    both = [v for v in (*client.values(), *stream.values()) if v[1] != "gap"]
+    closed = {seg for seg, kind in both if kind in ("final", "withdraw")}
+    first = min((seg for seg, _ in both), default=1)
+    last = max((seg for seg, kind in client.values() if kind != "gap"), default=0)
+    unfinished = sum(1 for seg in range(first, last) if seg not in closed)
     lost_at_source = len({s for s in range(max(1, first_in_stream), top + 1)
                           if s not in client and s not in stream})
     return {"finals_lost": missed + unfinished, "finals_missed_by_client": missed,
@@ -168,8 +174,8 @@ class Auditor:
         self.url = url
         self.seqs: list[int] = []
         self.finals: set[int] = set()
-        self.seen: dict[int, tuple[int, bool]] = {}
-        """seq -> (segment_id, is_final), as received."""
+        self.seen: dict[int, tuple[int, str]] = {}
+        """seq -> (segment_id, message_kind), as received."""
         self.times: list[float] = []
         self.reconnects = 0
 
@@ -189,7 +195,8 @@ class Auditor:
                         # continuity, only captions for finals and silence.
                         is_final = msg.get("type") == "caption" and bool(msg["is_final"])
                         self.seqs.append(msg["seq"])
-                        self.seen[msg["seq"]] = (msg.get("segment_id", 0), is_final)
+                        self.seen[msg["seq"]] = (msg.get("segment_id", 0),
+                                                 message_kind(msg))
                         if msg.get("type") != "caption":
                             continue
                         self.times.append(time.time())
@@ -332,9 +339,7 @@ async def soak(minutes: float, n_streams: int, fault_every_min: float) -> dict[s
                         break
                     if "seq" in msg:
                         replay.append(msg)
-            stream = {m["seq"]: (m.get("segment_id", 0),
-                                 m.get("type") == "caption" and bool(m["is_final"]))
-                      for m in replay}
+            stream = {m["seq"]: (m.get("segment_id", 0), message_kind(m)) for m in replay}
             for k, v in finals_lost(a.seen, stream, min(stream, default=1)).items():
                 lost[k] = lost.get(k, 0) + v
             audit = seq_audit(a.seqs)

@@ -92,19 +92,22 @@ def test_soak_seq_audit_counts_what_a_client_never_got_and_repeats() -> None:
 
 
 def test_soak_finals_lost_inside_a_redis_restart_show_from_the_seq_numbers() -> None:
-    # seq -> (segment, is_final). Segment 2's final (seq 4) and all of segment 3 (seqs 5-6)
+    # seq -> (segment, kind). Segment 2's final (seq 4) and all of segment 3 (seqs 5-6)
     # were lost with Redis: neither the client nor the Stream has them.
-    client = {1: (1, False), 2: (1, True), 3: (2, False), 7: (4, False), 8: (4, True)}
+    client = {1: (1, "partial"), 2: (1, "final"), 3: (2, "partial"), 7: (4, "partial"),
+              8: (4, "final")}
     stream = dict(client)
     lost = finals_lost(client, stream)
     assert lost["finals_lost"] == 2, lost  # segment 2 never final, segment 3 never seen
     assert lost["seqs_lost_at_source"] == 3
     assert lost["finals_missed_by_client"] == 0
-    # Nothing lost: the control case.
-    whole = {1: (1, False), 2: (1, True), 3: (2, True)}
+    # Nothing lost: the control case; a withdrawn segment and a gap event are not lost.
+    whole = {1: (1, "partial"), 2: (1, "final"), 3: (2, "partial"), 4: (2, "withdraw"),
+             5: (0, "gap"), 6: (3, "final"), 7: (4, "partial")}
     assert finals_lost(whole, whole)["finals_lost"] == 0
     # A final the Stream holds that the client missed.
-    assert finals_lost({1: (1, False), 3: (2, True)}, whole)["finals_missed_by_client"] == 1
+    seen = {k: v for k, v in whole.items() if k != 6}
+    assert finals_lost(seen, whole)["finals_missed_by_client"] == 1
 
 
 def test_soak_rss_of_a_role_continues_across_its_replacement() -> None:
