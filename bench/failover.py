@@ -424,7 +424,8 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             caps = await bus.captions_after(sid, "en", 0, count=100_000)
             text = normalize(" ".join(c.text for c in caps if c.is_final))
             words = jiwer.process_words(reference, text)
-            finals = [c.segment_id for c in caps if c.is_final]
+            finals = [c.segment_id for c in caps
+                      if c.is_final and not c.withdrawn and not c.gap_s]
             silence = longest_silence([c.emit_time for c in caps], fault.at, speech_end)
             silences.append(silence)
             if sid in back:
@@ -435,7 +436,10 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
                 "wer": float(jiwer.wer(reference, text)),
                 "seq_contiguous": seq_contiguous([c.seq for c in caps]),
                 "finals_doubled": finals_doubled(finals),
-                "captions_left_open": len({c.segment_id for c in caps} - set(finals)),
+                # a withdrawn segment is closed; a gap event is no segment
+                "captions_left_open": len({c.segment_id for c in caps
+                                           if not c.gap_s} - set(finals)
+                                          - {c.segment_id for c in caps if c.withdrawn}),
                 "resumes": int(float(status.get("resumes", 0) or 0)),
                 "silence": silence})
         out.update(
