@@ -8,7 +8,9 @@ A local Redis and a local Ray cluster (Ray's cluster utilities: a head node, and
 node modes a second node started as processes of its own). Rounds run one after another
 (2 cores cannot caption 48 streams at once); each round plays the five reference utterances
 (28.7 s) once, at real time, into `--streams` streams that all sit on one ASR actor (the
-embedded engine, one thread), next to a warm spare actor with room for all of them:
+embedded engine, `--cpu-threads` threads), next to a warm spare actor with room for all of
+them. Streams never move for lag here (`move_after_lag_s: null`): on 2 cores 8 tiny.en
+streams run behind real time, and the control's streams would move:
 - `control`: never touched (its words are what the modes are judged against);
 - `engine_loss`: the engine inside the actor dies: FAULT INJECTION (`KillableEngine`) unloads
   the real model and reports the engine dead, as a crashed vLLM engine core does (the
@@ -244,7 +246,10 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
         src = "push"
     lines = "\n".join(f"  - {{id: {s}, source: {src}, language: en}}" for s in ids)
     cfg = parse_event(f'event: failover-{mode}\nredis: {{url: "{args.redis_url}"}}\n'
-                      f"engine: {{actors: 2, streams_per_actor: {args.streams}}}\n"
+                      f"engine: {{actors: 2, streams_per_actor: {args.streams}, "
+                      # Failover alone: a stream behind real time (2 cores, 8 streams)
+                      # would otherwise move for lag, the control's too.
+                      "move_after_lag_s: null}\n"
                       f"ingest: {{actors: 1}}\nstreams:\n{lines}\n")
     runtime = EventRuntime(cfg, redis_url=args.redis_url)
     victim_cls = _killable_actor_class() if mode == "engine_loss" else AsrActor
@@ -255,7 +260,7 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             name=f"bench-failover-{mode}-{role}", resources={where: 1}).remote(
             AsrHostOptions(actor_id=f"{mode}-{role}", redis_url=args.redis_url,
                            max_streams=args.streams, max_catchup_s=15.0),
-            EmbeddedEngineOptions(model=args.model, cpu_threads=1))
+            EmbeddedEngineOptions(model=args.model, cpu_threads=args.cpu_threads))
     victim, spare = f"{mode}-victim", f"{mode}-spare"
     if file_source:
         runtime.ingest["ingest-0"] = ray.remote(num_cpus=0, max_restarts=-1)(
@@ -500,6 +505,8 @@ def main() -> int:
                     help="node_freeze: seconds frozen (Ray declares a silent node dead "
                          "after ~15-20 s)")
     ap.add_argument("--model", default="tiny.en")
+    ap.add_argument("--cpu-threads", type=int, default=2,
+                    help="decode threads per ASR actor (the product's default, 2)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -521,6 +528,7 @@ def main() -> int:
                                       "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
     result: dict[str, Any] = {"model": args.model, "streams": args.streams,
+                              "cpu_threads": args.cpu_threads, "cores": os.cpu_count(),
                               "kill_at_s": args.kill_at, "talk_s": round(talk_pcm()[1], 1),
                               "freeze_s": args.freeze_s, "modes": modes}
     started = time.monotonic()
