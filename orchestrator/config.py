@@ -297,9 +297,16 @@ class EngineConfig(_Strict):
                     "a caption's text once it is final)")
     actors: int = Field(default=1, ge=1, description="number of ASR actors")
     failover_after_s: float = Field(
-        default=2.0, ge=0.5, le=600,
+        default=1.0, ge=0.5, le=600,
         description="an ASR actor out of reach this long (dead for good: at once) has its "
                     "streams moved to other actors with room; they resume from their cursor")
+    lease_ttl_s: float | None = Field(
+        default=2.0, ge=0.5, le=60,
+        description="each ASR actor keeps a lease in Redis with this expiry, renewed every "
+                    "quarter of it (at most 0.5 s) while its engine works; the supervisor "
+                    "moves the streams of an actor whose lease lapsed at once, without "
+                    "waiting for Ray to notice a lost node (~18 s) or a frozen one (never); "
+                    "null: no lease, Ray's signal and failover_after_s only")
     move_after_lag_s: float | None = Field(
         default=10.0, gt=0, le=600,
         description="a stream whose captions come more than this many seconds after the "

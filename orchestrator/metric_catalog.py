@@ -238,6 +238,9 @@ CATALOG: tuple[MetricSpec, ...] = (
         "behind real time (engine.move_after_lag_s)", "actor"),
     _gw("babelcast_engine_replacements_total", "counter",
         "ASR actors the supervisor replaced because their engine was dead", "actor"),
+    _gw("babelcast_asr_lease_lapses_total", "counter",
+        "ASR actors whose lease in Redis lapsed (node lost or frozen, process gone, engine "
+        "dead): their streams moved at once (engine.lease_ttl_s)", "actor"),
     # ---- outputs (orchestrator/outputs) ----
     _gw("babelcast_archive_cues_total", "counter",
         "Cues appended to WebVTT/SRT archives", "stream", "lang"),

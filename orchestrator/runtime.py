@@ -93,6 +93,14 @@ class EventRuntime:
     _lagging_actors: set[str] = field(default_factory=set)
     # ingest actors the last pass could not reach (their streams are not re-added yet)
     _ingest_unreached: set[str] = field(default_factory=set)
+    # ASR actors whose lease (workers/lease.py) was seen, and those whose lease lapsed
+    # since: a lapsed actor is down at once and not asked over Ray (a frozen node would
+    # hold a pass for its whole timeout), until its lease is back
+    _lease_seen: set[str] = field(default_factory=set)
+    _lease_lapsed: dict[str, float] = field(default_factory=dict)
+    _probing: set[str] = field(default_factory=set)
+    lease_redis_restarts: int = 0  # Redis restarts the lease reader saw (its run id)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
     # Held by each supervisor pass and by each hot apply's changes to pins and config
     # (orchestrator.apply): a pass that read the pins before a stream was removed would
     # otherwise add it back.
@@ -144,6 +152,7 @@ class EventRuntime:
             actor_id = f"asr-{i}"
             # SPREAD: on a cluster, ASR actors go to different nodes where they can, so
             # losing a node takes the fewest streams (they move to the others).
+            metrics.LEASE_LAPSES.labels(actor=actor_id)  # at 0 from the start
             self.asr[actor_id] = asr_cls.options(name=f"babelcast-{actor_id}",
                                                  num_gpus=asr_gpus,
                                                  scheduling_strategy="SPREAD").remote(
@@ -152,7 +161,8 @@ class EventRuntime:
                                session_policy=session_policy(self.cfg),
                                vad_process=e.kind == "vllm",
                                vad_processes=math.ceil(e.streams_per_actor
-                                                       / vad.STREAMS_PER_PROCESS)),
+                                                       / vad.STREAMS_PER_PROCESS),
+                               lease_ttl_s=e.lease_ttl_s),
                 engine_options(self.cfg),
             )
         for i in range(self.cfg.ingest.actors):
@@ -262,6 +272,17 @@ class EventRuntime:
         for actor_id, handle in self.asr.items():
             want = {s for s, a in self.router.pins.items() if a == actor_id}
             now = time.monotonic()
+            if actor_id in self._lease_lapsed:
+                # Down at once (its streams move below); asked over Ray in the background
+                # only, where a dead engine gets the actor replaced.
+                problems.append(f"{actor_id}: lease lapsed")
+                self._actor_up(actor_id, "asr", False)
+                # down for sure: no restart to wait for (a death signal's pass may have
+                # started that wait already)
+                self._down_since[actor_id] = min(self._down_since.get(actor_id, now),
+                                                 now - failover_s)
+                self._probe_lapsed(actor_id, handle)
+                continue
             # After Ray's death signal a restarted process answers at once (state never
             # waits for the engine), so failover_after_s is enough to tell; without one,
             # a slow answer is a busy actor (a saturated vLLM front end), not a dead one.
@@ -339,6 +360,90 @@ class EventRuntime:
                 continue
             self._ingest_unreached.discard(actor_id)
         return problems
+
+    def _probe_lapsed(self, actor_id: str, handle: Any, timeout_s: float = 5.0) -> None:
+        """Ask an actor whose lease lapsed how it is, off the pass: one that answers
+        with a dead engine is replaced (Ray restarts it without its engine's fault); one
+        that Ray restarted (its host starts on first use) is started, so its engine loads
+        and its lease comes back: a warm spare; one that does not answer (vanished,
+        frozen) is Ray's to notice."""
+        if actor_id in self._probing:
+            return
+
+        async def probe() -> None:
+            try:
+                state = await wait_for(handle.state.remote(), timeout_s)
+                if not state.get("started"):
+                    await wait_for(handle.health.remote(), 600)
+                elif state.get("engine_ok") is False and \
+                        self._replacing.get(actor_id) != state.get("pid"):
+                    log.error("ASR actor %s: its engine is dead; replacing the actor",
+                              actor_id)
+                    metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
+                    if state.get("pid") is not None:
+                        self._replacing[actor_id] = state["pid"]
+                    ray.kill(handle, no_restart=False)
+            except Exception as exc:  # out of reach: nothing to do here
+                log.info("ASR actor %s (lease lapsed) did not answer: %s", actor_id,
+                         type(exc).__name__)
+            finally:
+                self._probing.discard(actor_id)
+
+        self._probing.add(actor_id)
+        task = asyncio.create_task(probe())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def watch_leases(self, every_s: float = 0.25,
+                           wake: asyncio.Event | None = None) -> None:
+        """Read every ASR actor's lease every `every_s`: an actor whose lease was seen and
+        is gone is down from now (its streams move at the next pass, which `wake` starts);
+        one whose lease is back (a restarted actor with its engine up, a node that woke)
+        is asked over Ray again. Redis out of reach says nothing about the actors, nor
+        does a Redis that came back empty (a new run id): every lease is gone then, and
+        the actors renew theirs within half a second; they count again once seen."""
+        from workers.lease import lease_key
+
+        redis = connect_redis(self.redis_url)
+        run_id = None
+        try:
+            while True:
+                actors = list(self.asr)
+                try:
+                    values = await redis.mget([lease_key(a) for a in actors])
+                    server = (await redis.info("server")).get("run_id")
+                except Exception:
+                    await asyncio.sleep(every_s)
+                    continue
+                if server != run_id:
+                    if run_id is not None:
+                        log.warning("Redis restarted: ASR leases are judged again once "
+                                    "renewed")
+                        self._lease_seen.clear()
+                        self.lease_redis_restarts += 1
+                    run_id = server
+                    await asyncio.sleep(every_s)
+                    continue
+                now = time.monotonic()
+                for actor_id, value in zip(actors, values, strict=True):
+                    if value is not None:
+                        self._lease_seen.add(actor_id)
+                        if self._lease_lapsed.pop(actor_id, None) is not None:
+                            log.warning("ASR actor %s: lease back", actor_id)
+                            self._down_since.pop(actor_id, None)
+                            if wake is not None:
+                                wake.set()
+                    elif actor_id in self._lease_seen and actor_id not in self._lease_lapsed:
+                        self._lease_lapsed[actor_id] = now
+                        self._lease_seen.discard(actor_id)
+                        metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
+                        log.warning("ASR actor %s: lease lapsed; moving its streams",
+                                    actor_id)
+                        if wake is not None:
+                            wake.set()
+                await asyncio.sleep(every_s)
+        finally:
+            await redis.aclose()
 
     async def _move_streams(self, actor_id: str, streams: dict[str, StreamConfig]
                             ) -> list[str]:
@@ -456,6 +561,8 @@ class EventRuntime:
         died = asyncio.Event()
         watches: dict[int, asyncio.Task[None]] = {}
         failed_at: dict[int, float] = {}
+        leases = (asyncio.create_task(self.watch_leases(wake=died), name="lease-watch")
+                  if self.cfg.engine.lease_ttl_s else None)
 
         async def watch(handle: Any) -> None:
             try:
@@ -505,6 +612,8 @@ class EventRuntime:
         finally:
             for task in watches.values():
                 task.cancel()
+            if leases is not None:
+                leases.cancel()
 
     # ---- hot apply (orchestrator.apply; call with control_lock held) ------------
     def free_slots(self, releasing: frozenset[str] = frozenset()) -> int:

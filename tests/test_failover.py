@@ -4,16 +4,24 @@ supervisor running as `babelcast run` runs it but with a poll too slow to matter
 - `hall` (node a): its ASR actor's process is killed mid-sentence; Ray restarts it on the
   same node and the stream is added back to it, or, where the restart takes longer than
   `failover_after_s` (2 s; a loaded 2-core host took longer), it moves to the spare;
-- `annex` (node b): node b's raylet is killed (by pid) at the same moment: its actor is gone
-  with the node, and the stream moves to the actor on node a that is free by then (the
-  spare, or hall's restarted actor where hall took the spare).
+- `annex` (node b): node b vanishes at the same moment: every process of it (raylet and
+  the actor's worker) is SIGKILLed at once; its actor's lease in Redis lapses within
+  `engine.lease_ttl_s` (2 s) and the stream moves to the actor on node a that is free by
+  then (the spare, or hall's restarted actor where hall took the spare), without waiting
+  ~18 s for Ray to notice the node;
+- `hall` again, in a second test: its actor's process is frozen (SIGSTOP, a node that
+  hangs): Ray never notices, the lease lapses, the stream moves to the spare; woken 8 s
+  later, the frozen actor publishes nothing (the new owner's claim fences it) and lets
+  the stream go.
 Either way the new owner resumes after the last final: the audio spoken while no actor
 listened is captioned, not skipped; the caption open at the kill is decoded again and
-made final once; seq and segment ids go on without a gap or a double."""
+made final once; seq and segment ids go on without a gap or a double. Captions are back
+within 5 s, the bound docs/failover.md states."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import signal
@@ -48,8 +56,10 @@ streams:
   - {{id: annex, source: push, language: en}}
 """
 CHUNK = SAMPLE_RATE // 10
+BOUND_S = 5.0  # docs/failover.md: captions back within 5 s of an actor, engine or node lost
 KILL_AT_S = 14.0  # inside the third sentence (12.0-17.0 s of the talk)
-ACTORS = ("asr-0", "asr-1", "asr-2")  # hall (node a), annex (node b), spare (node a)
+# hall (node a), annex (node b), two spares (node a): somewhere warm for each stream lost
+ACTORS = ("asr-0", "asr-1", "asr-2", "asr-3")
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +85,14 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
         runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
                                             resources={node: 1}).remote(
             AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100),
+                           read_block_ms=100, lease_ttl_s=2.0),
             EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
     runtime.router = Router(budget=1, actors=list(ACTORS))
     def placed() -> float:
         """Streams added back to a restarted actor or moved to another, over node a."""
         return (metrics.STREAM_READDS.labels(actor="asr-0")._value.get()
                 + sum(metrics.STREAM_MOVES.labels(actor=a)._value.get()
-                      for a in ("asr-0", "asr-2")))
+                      for a in ("asr-0", "asr-2", "asr-3")))
 
     placed_before = placed()
     fed = [0]  # samples written to each stream so far
@@ -113,15 +123,17 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
         tasks.append(asyncio.create_task(feed()))
         await asyncio.wait_for(at_kill.wait(), 60)
         killed_wall, killed_wall_epoch = time.monotonic(), time.time()
+        annex_pid = (await annex.state.remote())["pid"]
         ray.kill(hall, no_restart=False)  # the process dies; Ray starts another
-        os.kill(raylet_b, signal.SIGKILL)  # node b is lost, and annex's actor with it
+        for pid in (raylet_b, annex_pid):  # node b vanishes: all of it at once
+            os.kill(pid, signal.SIGKILL)
         killed_at_s = fed[0] / SAMPLE_RATE
 
         async def on_node_a(sid: str) -> bool:
             """`sid` is served by a live actor on node a (hall's restarted one or the
             spare), as its pin says."""
             actor = runtime.router.pins.get(sid)
-            if actor not in ("asr-0", "asr-2"):
+            if actor not in ("asr-0", "asr-2", "asr-3"):
                 return False
             try:
                 handle = runtime.asr[actor]
@@ -164,24 +176,22 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
     pins = runtime.router.pins
     print("placed:", pins, "(hall's actor was back within failover_after_s)"
           if pins["hall"] == "asr-0" else "(hall's restart took longer: moved to the spare)")
-    assert sorted(pins.values()) == ["asr-0", "asr-2"], pins
+    assert set(pins.values()) <= {"asr-0", "asr-2", "asr-3"} and len(set(pins.values())) == 2, \
+        pins
     assert placed() == placed_before + 2, "each stream placed once after the kills"
     for sid in ("hall", "annex"):
         caps = await bus.captions_after(sid, "en", 0, count=10_000)
         finals = [c for c in caps if c.is_final]
         text = normalize(" ".join(c.text for c in finals))
         wer = float(jiwer.wer(normalize(reference_text()), text))
-        # The longest stretch without a caption from the kill on (a node's orphaned
-        # worker goes on captioning until it notices its raylet is gone).
+        # The longest stretch without a caption from the kill on.
         times = [killed_wall_epoch,
                  *sorted(c.emit_time for c in caps if c.emit_time > killed_wall_epoch)]
         silence = max(b - a for a, b in itertools.pairwise(times))
         print(f"{sid}: killed at {killed_at_s:.1f} s of audio, on an actor again after "
               f"{back_s[sid]:.1f} s, longest caption silence {silence:.1f} s, "
               f"WER {wer:.3f}, {len(finals)} finals")
-        # Ray's restart of a killed process (4.3 s on a loaded 2-core host) or the 2 s
-        # failover wait, then the decode of the sentence under way: 5.6 s measured there.
-        assert silence <= 8.0, "captions must be back within 8 s"
+        assert silence <= BOUND_S, f"captions must be back within {BOUND_S} s"
         assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
         ids = [c.segment_id for c in finals]
         assert ids == sorted(set(ids)), "a caption was made final twice"
@@ -192,3 +202,103 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
                    for f in finals), [(f.audio_start_s, f.audio_end_s) for f in finals]
         assert wer <= 0.15, text
         assert status[sid].get("resumes") == "1"
+
+
+FROZEN_EVENT = """
+event: freeze
+redis: {{url: "{url}"}}
+streams:
+  - {{id: foyer, source: push, language: en}}
+"""
+
+
+async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wakes(
+        cluster: Cluster, bus: RedisBus, redis_url: str) -> None:
+    pcm = b"".join(decode_pcm16(AUDIO / f"{n}.flac") for n in REFERENCE_FILES)
+    pcm += bytes(3 * 2 * SAMPLE_RATE)
+    runtime = EventRuntime(parse_event(FROZEN_EVENT.format(url=redis_url)),
+                           redis_url=redis_url)
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
+    actors = ("frz-0", "frz-1")
+    for actor_id in actors:
+        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
+                                            resources={"node_a": 1}).remote(
+            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
+                           read_block_ms=100, lease_ttl_s=2.0),
+            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
+    runtime.router = Router(budget=1, actors=list(actors))
+    fed = [0]
+    at_freeze = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+
+    async def feed() -> None:
+        t0 = time.monotonic()
+        for i in range(0, len(pcm), CHUNK * 2):
+            await asyncio.sleep(max(0.0, t0 + (i // 2 + CHUNK) / SAMPLE_RATE
+                                    - time.monotonic()))
+            await bus.add_audio(AudioChunk("foyer", i // 2, pcm[i:i + CHUNK * 2], time.time()))
+            fed[0] = i // 2 + CHUNK
+            if fed[0] >= KILL_AT_S * SAMPLE_RATE:
+                at_freeze.set()
+
+    frozen, spare = runtime.asr["frz-0"], runtime.asr["frz-1"]
+    pid = None
+    try:
+        await runtime.place_all()
+        await runtime.warm_spares()
+        assert runtime.router.pins == {"foyer": "frz-0"}
+        pid = (await frozen.state.remote())["pid"]
+        tasks.append(asyncio.create_task(runtime.supervise(every_s=120)))
+        tasks.append(asyncio.create_task(feed()))
+        await asyncio.wait_for(at_freeze.wait(), 60)
+        frozen_at, frozen_epoch = time.monotonic(), time.time()
+        os.kill(pid, signal.SIGSTOP)  # not dead, not answering: Ray never says
+        frozen_at_s = fed[0] / SAMPLE_RATE
+
+        async def moved() -> bool:
+            return runtime.router.pins.get("foyer") == "frz-1" and "foyer" in (
+                await asyncio.wait_for(spare.streams.remote(), 5))
+
+        await eventually(moved, 30, "foyer moved to the spare")
+        moved_s = time.monotonic() - frozen_at
+        await asyncio.sleep(8.0)
+        os.kill(pid, signal.SIGCONT)  # it wakes up, its runner mid-sentence
+        woke_epoch = time.time()
+
+        async def let_go() -> bool:
+            return "foyer" not in await asyncio.wait_for(frozen.streams.remote(), 5)
+
+        await eventually(let_go, 30, "the woken actor let the stream go")
+        await tasks[1]
+
+        async def settled() -> bool:
+            last = await bus.last_caption("foyer", "en")
+            return last is not None and last.is_final and last.audio_end_s >= 26.0
+
+        await eventually(settled, 60, "the last sentence made final")
+        lapses = metrics.LEASE_LAPSES.labels(actor="frz-0")._value.get()
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for task in tasks:
+            task.cancel()
+        for handle in runtime.asr.values():
+            ray.kill(handle, no_restart=True)
+
+    caps = await bus.captions_after("foyer", "en", 0, count=10_000)
+    finals = [c for c in caps if c.is_final]
+    times = [frozen_epoch, *sorted(c.emit_time for c in caps if c.emit_time > frozen_epoch)]
+    silence = max(b - a for a, b in itertools.pairwise(times))
+    text = normalize(" ".join(c.text for c in finals))
+    wer = float(jiwer.wer(normalize(reference_text()), text))
+    print(f"foyer: frozen at {frozen_at_s:.1f} s of audio, moved after {moved_s:.1f} s, "
+          f"longest caption silence {silence:.1f} s, WER {wer:.3f}, lease lapses {lapses}")
+    assert lapses >= 1, "the move came from the lease"
+    assert silence <= BOUND_S, f"captions must be back within {BOUND_S} s"
+    # Woken, the frozen actor's runner tried to go on: the new owner's claim refused it.
+    assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
+    ids = [c.segment_id for c in finals]
+    assert ids == sorted(set(ids)), "a caption was made final twice"
+    assert not [c for c in caps if c.emit_time > woke_epoch and c.seq <= 0]
+    assert wer <= 0.15, text

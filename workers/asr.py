@@ -104,6 +104,10 @@ class AsrHostOptions:
     vad_processes: int = 1
     """Helper processes for that (`VadService`); each holds ~`vad.STREAMS_PER_PROCESS`
     streams."""
+    lease_ttl_s: float | None = None
+    """Keep this actor's lease in Redis (workers/lease.py) with this expiry while its
+    engine works, so the supervisor moves its streams within seconds of a lost node, a
+    frozen process or a dead engine; None: no lease (a host outside an event)."""
 
 
 class Fenced(Exception):
@@ -483,6 +487,7 @@ class AsrHost:
         self._wake = asyncio.Event()
         self._reporter: asyncio.Task[None] | None = None
         self._engine_seen: dict[str, float] = {}
+        self._lease: Any = None  # workers.lease.LeaseKeeper, with lease_ttl_s
         self._backlog = BacklogGuard(options.max_backlog_s)
         self.vad_service = (VadService(options.vad_processes) if options.vad_process
                             else None)
@@ -502,6 +507,13 @@ class AsrHost:
         await self.engine.start()
         self._reader = asyncio.create_task(self._read_loop(), name="asr-reader")
         self._reporter = asyncio.create_task(self._report_loop(), name="asr-report")
+        if self.options.lease_ttl_s:
+            from workers.lease import LeaseKeeper
+
+            self._lease = LeaseKeeper(self.options.redis_url, self.options.actor_id,
+                                      lambda: self.engine_ok, ttl_s=self.options.lease_ttl_s,
+                                      every_s=min(0.5, self.options.lease_ttl_s / 4))
+            self._lease.start()
 
     async def add_stream(self, opts: StreamOptions) -> None:
         if opts.stream_id in self._runners:
@@ -721,6 +733,8 @@ class AsrHost:
                                  return_exceptions=True)
         for stream_id in list(self._runners):
             await self.remove_stream(stream_id)
+        if self._lease is not None:  # handed over: the supervisor need not wait it out
+            await asyncio.to_thread(self._lease.stop)
         await self.engine.aclose()
         if self.vad_service is not None:
             self.vad_service.shutdown()

@@ -1,0 +1,158 @@
+"""ASR actor leases (workers/lease.py, issue 35) against a real redis-server: renewed while
+the engine works, released at once when it does not, lapsed within the expiry when the
+process freezes (SIGSTOP of a real child process) or dies, back when it wakes; and the
+supervisor's reader (EventRuntime.watch_leases) takes a lapse for a lost actor but not a
+Redis that came back empty for the loss of every actor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+
+from orchestrator.config import parse_event
+from orchestrator.redis_server import LocalRedisServer, free_port
+from orchestrator.runtime import EventRuntime
+from tests.waiting import eventually
+from workers.lease import LeaseKeeper, lease_key
+
+pytestmark = pytest.mark.integration
+
+CHILD = """
+import sys, time
+from workers.lease import LeaseKeeper
+k = LeaseKeeper(sys.argv[1], sys.argv[2], lambda: True, ttl_s=1.0, every_s=0.2)
+k.start()
+print("renewing", flush=True)
+time.sleep(120)
+"""
+
+
+def test_renewed_while_healthy_released_at_once_when_not(redis_url: str) -> None:
+    healthy = [True]
+    keeper = LeaseKeeper(redis_url, "asr-7", lambda: healthy[0], ttl_s=2.0, every_s=0.2)
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        keeper.start()
+        deadline = time.monotonic() + 5
+        while r.get(lease_key("asr-7")) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.get(lease_key("asr-7")).startswith(b"asr-7 ")
+        assert 0 < r.pttl(lease_key("asr-7")) <= 2000
+        time.sleep(1.0)
+        assert keeper.renewals >= 4  # every 0.2 s
+        healthy[0] = False  # the engine died: its streams must not wait 2 s
+        t = time.monotonic()
+        while r.get(lease_key("asr-7")) is not None and time.monotonic() - t < 2:
+            time.sleep(0.02)
+        assert r.get(lease_key("asr-7")) is None and time.monotonic() - t < 0.5
+        assert keeper.released == 1
+        healthy[0] = True  # a new engine: the lease comes back
+        time.sleep(0.5)
+        assert r.get(lease_key("asr-7")) is not None
+    finally:
+        keeper.stop()
+    assert r.get(lease_key("asr-7")) is None, "a stopped keeper hands its streams over"
+    with pytest.raises(ValueError, match="renewed within"):
+        LeaseKeeper(redis_url, "x", lambda: True, ttl_s=1.0, every_s=1.0)
+
+
+def test_a_frozen_process_loses_its_lease_and_gets_it_back_when_it_wakes(
+        redis_url: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen([sys.executable, "-c", CHILD, redis_url, "asr-frozen"],
+                             cwd=root, stdout=subprocess.PIPE, text=True)
+    r = redis_sync.Redis.from_url(redis_url)
+    key = lease_key("asr-frozen")
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "renewing"
+        deadline = time.monotonic() + 5
+        while r.get(key) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.get(key) is not None
+        os.kill(child.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        while r.get(key) is not None and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        lapsed_s = time.monotonic() - t
+        assert r.get(key) is None and lapsed_s <= 1.0 + 0.3, lapsed_s  # its 1 s expiry
+        os.kill(child.pid, signal.SIGCONT)
+        t = time.monotonic()
+        while r.get(key) is None and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert r.get(key) is not None, "woken, it renews"
+        child.kill()  # dies: no delete, the lease expires
+        child.wait(5)
+        t = time.monotonic()
+        while r.get(key) is not None and time.monotonic() - t < 5:
+            time.sleep(0.02)
+        assert r.get(key) is None and time.monotonic() - t <= 1.3
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+            child.wait(5)
+
+
+EVENT = """
+event: leases
+redis: {{url: "{url}"}}
+streams:
+  - {{id: a, source: push, language: en}}
+"""
+
+
+async def test_the_supervisor_takes_a_lapse_for_a_lost_actor_not_a_redis_restart(
+        tmp_path: Path) -> None:
+    port = free_port()
+    server = LocalRedisServer(port=port, data_dir=tmp_path / "redis")
+    url = server.start()
+    keepers = {a: LeaseKeeper(url, a, lambda: True, ttl_s=1.0, every_s=0.2)
+               for a in ("asr-0", "asr-1")}
+    runtime = EventRuntime(parse_event(EVENT.format(url=url)), redis_url=url)
+    runtime.asr = {"asr-0": None, "asr-1": None}  # only their leases are read here
+    wake = asyncio.Event()
+    watcher = asyncio.create_task(runtime.watch_leases(every_s=0.1, wake=wake))
+    try:
+        for k in keepers.values():
+            k.start()
+
+        async def both_seen() -> bool:
+            return runtime._lease_seen == {"asr-0", "asr-1"}
+
+        await eventually(both_seen, 10, "both leases seen")
+        # Redis comes back empty (no append-only file here): every lease is gone at
+        # once, and none of the actors is lost.
+        server.stop()
+        server = LocalRedisServer(port=port, data_dir=tmp_path / "redis-empty")
+        assert server.start() == url
+
+        async def restart_seen() -> bool:
+            return runtime.lease_redis_restarts == 1
+
+        await eventually(restart_seen, 10, "the reader saw Redis restart")
+        await eventually(both_seen, 10, "both leases seen again after the restart")
+        assert runtime._lease_lapsed == {}, "a Redis restart is not every actor lost"
+        # Now one actor is lost (its keeper stops renewing without a word).
+        keepers["asr-0"]._stop.set()
+        t = time.monotonic()
+
+        async def lapsed() -> bool:
+            return "asr-0" in runtime._lease_lapsed
+
+        await eventually(lapsed, 5, "asr-0's lapse seen")
+        assert time.monotonic() - t <= 1.0 + 0.5
+        assert wake.is_set() and "asr-1" not in runtime._lease_lapsed
+    finally:
+        watcher.cancel()
+        for k in keepers.values():
+            k._stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)
+        server.stop()
