@@ -373,16 +373,24 @@ class EventRuntime:
         async def probe() -> None:
             try:
                 state = await wait_for(handle.state.remote(), timeout_s)
-                if not state.get("started"):
-                    await wait_for(handle.health.remote(), 600)
-                elif state.get("engine_ok") is False and \
+                if state.get("started") and state.get("engine_ok") is False and \
                         self._replacing.get(actor_id) != state.get("pid"):
                     log.error("ASR actor %s: its engine is dead; replacing the actor",
                               actor_id)
                     metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
-                    if state.get("pid") is not None:
-                        self._replacing[actor_id] = state["pid"]
+                    dead_pid = state.get("pid")
+                    if dead_pid is not None:
+                        self._replacing[actor_id] = dead_pid
                     ray.kill(handle, no_restart=False)
+                    deadline = time.monotonic() + 120
+                    while time.monotonic() < deadline:  # until Ray's new process answers
+                        await asyncio.sleep(0.5)
+                        with contextlib.suppress(Exception):
+                            state = await wait_for(handle.state.remote(), timeout_s)
+                            if state.get("pid") != dead_pid:
+                                break
+                if not state.get("started"):
+                    await wait_for(handle.health.remote(), 600)
             except Exception as exc:  # out of reach: nothing to do here
                 log.info("ASR actor %s (lease lapsed) did not answer: %s", actor_id,
                          type(exc).__name__)
