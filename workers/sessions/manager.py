@@ -26,10 +26,11 @@ outside, like a single session that never ends:
 - **No replacement skips audio**: the new session re-reads the ring from the end of
   the old one's last committed word (as a warm rollover re-reads its overlap), however
   far behind the live edge that is; the ring holds what a session's input queue can
-  (`BACKLOG_S`). Only two things skip, both counted in `skipped_s_replacement` and
-  logged: audio older than the ring, and a second rut with no word since the first
-  (the same audio read again would only stick again), which starts `rut.window_s`
-  before the newest audio.
+  (`BACKLOG_S`). What it skips is counted in `skipped_s_replacement` and logged:
+  audio older than the ring; a replay longer than half the new session's budget; and,
+  after a replacement with no word since the previous one (the same audio read again
+  would only end the same way), what lies before `rut.window_s` (a rut) or `overlap_s`
+  (otherwise) before the newest audio.
 
 Voice activity comes from a `VadStream` (Silero in this thread by default; a GPU
 actor passes one from a helper process so the VAD stays off its event loop). Its flags
@@ -196,7 +197,7 @@ class SessionManager(RecognizeSession):
         self._open_failures = 0
         self._warm_retry_at = 0.0
         self._cut_s = 0.0
-        self._rut_cut_s: float | None = None  # where the last rut replacement resumed
+        self._resume_cut_s: float | None = None  # where the last replacement resumed
         self._dropped_seen = 0
         # Runs of speech (start, end) in the last BACKLOG_S of audio, for the lag gauge;
         # unlike the watchdog's, kept across rollovers (a replacement re-reads them).
@@ -431,22 +432,27 @@ class SessionManager(RecognizeSession):
             return max(self._ring.start_pos or 0, int((cut_s - 0.5) * SAMPLE_RATE))
         live = self.pos - int(self.policy.overlap_s * SAMPLE_RATE)
         want = min(live, int((cut_s - 1.0) * SAMPLE_RATE))
-        skip_to = want
-        if reason == "rut":
-            if self._rut_cut_s is not None and cut_s <= self._rut_cut_s:
-                # No word since the last rut: that audio sticks; go on from the recent past.
-                skip_to = max(want, self.pos - int(self.policy.rut.window_s * SAMPLE_RATE))
-            self._rut_cut_s = cut_s
+        skip_to, why = want, ""
+        if self._resume_cut_s is not None and cut_s <= self._resume_cut_s:
+            # No word since the last replacement resumed there: reading the same audio
+            # again would only end the same way (a rut that sticks, a budget the replay
+            # alone fills); go on from the recent past.
+            back = self.policy.rut.window_s if reason == "rut" else self.policy.overlap_s
+            skip_to, why = max(want, self.pos - int(back * SAMPLE_RATE)), "no word since"
+        budget = self._cur.budget_s if self._cur is not None else None
+        if budget is not None and self.pos - skip_to > budget / 2 * SAMPLE_RATE:
+            # The replay must leave the new session room to catch up within its budget.
+            skip_to, why = self.pos - int(budget / 2 * SAMPLE_RATE), "past half a budget"
+        self._resume_cut_s = cut_s
         oldest = self._ring.start_pos
-        if oldest is not None:
-            skip_to = max(skip_to, oldest)
+        if oldest is not None and oldest > skip_to:
+            skip_to, why = oldest, "older than the ring"
         # Only speech counts as lost: a room silent since its last word skips nothing.
         skipped = self._watch.speech_between(want, skip_to) if skip_to > want else 0.0
         if skipped > 0.05:
             self.counters["skipped_s_replacement"] += skipped
             log.warning("stream %s: %s replacement skipped %.1f s of audio (%s)",
-                        self.options.stream_id, reason, skipped,
-                        "older than the ring" if skip_to == oldest else "a repeated rut")
+                        self.options.stream_id, reason, skipped, why)
         return skip_to
 
     async def _begin_warm_rollover(self) -> None:
