@@ -301,7 +301,7 @@ class EngineConfig(_Strict):
         description="an ASR actor out of reach this long (dead for good: at once) has its "
                     "streams moved to other actors with room; they resume from their cursor")
     lease_ttl_s: float | None = Field(
-        default=2.0, ge=0.5, le=60,
+        default=1.5, ge=0.5, le=60,
         description="each ASR actor keeps a lease in Redis with this expiry, renewed every "
                     "quarter of it (at most 0.5 s) while its engine works; the supervisor "
                     "moves the streams of an actor whose lease lapsed at once, without "

@@ -402,7 +402,7 @@ class EventRuntime:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def watch_leases(self, every_s: float = 0.25,
+    async def watch_leases(self, every_s: float = 0.1,
                            wake: asyncio.Event | None = None) -> None:
         """Read every ASR actor's lease every `every_s`: an actor whose lease was seen and
         is gone is down from now (its streams move at the next pass, which `wake` starts);

@@ -357,3 +357,46 @@ async def test_a_stream_whose_source_ended_finishes_and_frees_its_session(
     caps = await bus.captions_after("talk", "en", 0)
     assert caps and caps[-1].is_final and caps[-1].text  # its last words are final
     assert (await bus.get_status("talk"))["caption_lag_s"] == "0.0"
+
+
+async def test_a_new_owner_reads_again_from_the_start_when_no_final_was_made(
+    redis_url: str, bus: RedisBus, room_b: bytes
+) -> None:
+    """An owner lost before its stream's first final leaves no cursor (bench.failover's
+    baseline: half the streams started their new owner at the live edge and lost their
+    words). The new owner reads the stream's audio again from its start (within
+    max_catchup_s), so the first words are captioned, by it, once."""
+    from dataclasses import replace
+
+    split = int(2.0 * SAMPLE_RATE) * 2  # the first words, before any pause
+    first, second = room_b[:split], room_b[split:] + TRAILING_SILENCE
+    old = AsrHost(replace(host_options(redis_url), actor_id="asr-old"), real_engine())
+    new = AsrHost(replace(host_options(redis_url), actor_id="asr-new"), real_engine())
+    try:
+        await asyncio.wait_for(old.start(), 60)
+        await old.add_stream(stream_options("talk"))
+        pos = await asyncio.wait_for(feed(bus, "talk", first), 20)
+        assert not [c for c in await bus.captions_after("talk", "en", 0) if c.is_final]
+        assert await bus.load_cursor("talk") is None  # nothing final: no cursor
+        await asyncio.wait_for(new.start(), 60)
+        await new.add_stream(stream_options("talk"))  # the old owner is never told
+        await asyncio.wait_for(feed(bus, "talk", second, pos=pos), 30)
+
+        async def settled() -> bool:
+            caps = await bus.captions_after("talk", "en", 0)
+            return bool(caps) and caps[-1].is_final and "talk" not in old.streams()
+
+        await eventually(settled, CAPTIONS_TIMEOUT_S, "the new owner's last final")
+    finally:
+        await asyncio.wait_for(old.stop(finish_s=0), 30)
+        await asyncio.wait_for(new.stop(), 30)
+    caps = await bus.captions_after("talk", "en", 0)
+    finals = [c for c in caps if c.is_final and c.text]
+    # The sentence under way at the handover is decoded whole by the new owner, not
+    # closed as the old one last showed it (0.05-1.97 s, then 2.0-5.74 s, without this).
+    assert finals and finals[0].audio_start_s < 1.0 < split / 2 / SAMPLE_RATE \
+        < finals[0].audio_end_s, [(f.audio_start_s, f.audio_end_s) for f in finals]
+    assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq has a hole"
+    ids = [c.segment_id for c in finals]
+    assert len(ids) == len(set(ids)), "a caption was made final twice"
+    assert (await bus.get_status("talk")).get("resumes") == "1"

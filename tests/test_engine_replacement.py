@@ -126,7 +126,7 @@ async def test_a_dead_engine_hands_its_streams_to_a_warm_spare_within_seconds(
     runtime = EventRuntime(cfg, redis_url=redis_url)
     cls = ray.remote(num_cpus=0, max_restarts=-1)(FakeVllmAsrActor)
     actors = {a: cls.options(name=f"babelcast-test-spare-{a}").remote(
-        AsrHostOptions(actor_id=a, redis_url=redis_url, max_streams=4, lease_ttl_s=2.0))
+        AsrHostOptions(actor_id=a, redis_url=redis_url, max_streams=4, lease_ttl_s=1.5))
         for a in ("asr-0", "asr-1")}
     runtime.asr = dict(actors)
     runtime.router = Router(budget=4, actors=list(actors))

@@ -6,7 +6,7 @@ supervisor running as `babelcast run` runs it but with a poll too slow to matter
   `failover_after_s` (2 s; a loaded 2-core host took longer), it moves to the spare;
 - `annex` (node b): node b vanishes at the same moment: every process of it (raylet and
   the actor's worker) is SIGKILLed at once; its actor's lease in Redis lapses within
-  `engine.lease_ttl_s` (2 s) and the stream moves to the actor on node a that is free by
+  `engine.lease_ttl_s` (1.5 s) and the stream moves to the actor on node a that is free by
   then (the spare, or hall's restarted actor where hall took the spare), without waiting
   ~18 s for Ray to notice the node;
 - `hall` again, in a second test: its actor's process is frozen (SIGSTOP, a node that
@@ -85,7 +85,7 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
         runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
                                             resources={node: 1}).remote(
             AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=2.0),
+                           read_block_ms=100, lease_ttl_s=1.5),
             EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
     runtime.router = Router(budget=1, actors=list(ACTORS))
     def placed() -> float:
@@ -224,7 +224,7 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
         runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
                                             resources={"node_a": 1}).remote(
             AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=2.0),
+                           read_block_ms=100, lease_ttl_s=1.5),
             EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
     runtime.router = Router(budget=1, actors=list(actors))
     fed = [0]

@@ -539,6 +539,16 @@ class AsrHost:
                 skipped_s = (behind_ms - limit_ms) / 1000
             else:  # the cursor is newer than the audio: Redis came back empty
                 floor_s = 0.0
+        elif live != "0-0" and await self.bus.had_owner(sid):
+            # An owner that made no final yet (the stream's first words, or a stream
+            # behind real time): nothing of it is captioned for good, so the new owner
+            # reads the audio again from its start, as far back as max_catchup_s
+            # (bench.failover's baseline: half the streams lost their words here).
+            first = await self.bus.first_audio_id(sid)
+            limit_ms = round(self.options.max_catchup_s * 1000)
+            oldest_ms = max(entry_ms(first), entry_ms(live) - limit_ms)
+            start_id = f"{max(0, oldest_ms - 1)}-0"
+            skipped_s = max(0.0, (oldest_ms - entry_ms(first)) / 1000)
         runner = _StreamRunner(self, opts)
         runner.floor_s = floor_s
         await runner.start(resumed=start_id != live)

@@ -306,6 +306,14 @@ class RedisBus:
         entries = await self.redis.xrevrange(audio_key(stream), count=1)
         return as_str(entries[0][0]) if entries else "0-0"
 
+    async def first_audio_id(self, stream: str) -> str:
+        entries = await self.redis.xrange(audio_key(stream), count=1)
+        return as_str(entries[0][0]) if entries else "0-0"
+
+    async def had_owner(self, stream: str) -> bool:
+        """Some ASR runner claimed the stream's captions before (`claim_stream`)."""
+        return bool(await self.redis.exists(owner_key(stream)))
+
     async def load_cursor(self, stream: str) -> tuple[str, float] | None:
         """Where a new owner of the stream resumes: after audio entry `after_id` (the
         last one that ended at or before the last final), words up to `final_end_s`

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 log = logging.getLogger("babelcast.lease")
 
-TTL_S = 2.0
-RENEW_S = 0.5
+TTL_S = 1.5
+RENEW_S = 0.375
 
 
 def lease_key(actor_id: str) -> str:
