@@ -156,7 +156,9 @@ async def test_a_killed_ingest_actor_resumes_its_file_where_it_stopped(
     ids = [c.segment_id for c in finals]
     assert ids == sorted(set(ids)), "a caption was made final twice"
     assert {c.segment_id for c in caps} == set(ids), "a caption was left open"
-    assert silence <= 8.0, "captions must be back within 8 s of the kill"
+    # docs/failover.md's bound for every failure (3.5 s measured with the 2-core box's load
+    # average at 6.8: the audio before the hole is still being captioned meanwhile)
+    assert silence <= 5.0, "captions must be back within 5 s of the kill"
     # The hole splits the sentence under way at the kill into two utterances, each decoded
     # on its own: tiny.en read the 0.6 s "he might" as "he invited" and the rest worse on an
     # AMD EPYC host (WER 0.259, 7 of 27 words), better on others. Speech heard twice or lost
