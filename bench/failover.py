@@ -318,6 +318,8 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             speech_start = time.time() - await audio_s()
         speech_end = speech_start + speech_s
         killed_audio = await audio_s()
+        # A stream with no final yet has no cursor: a new owner starts it at the live edge.
+        with_cursor = sum([await bus.load_cursor(sid) is not None for sid in ids])
         frozen_ports: set[int] = set()
         if mode == "control":
             fault = Fault(kind="none", at=time.time())
@@ -419,6 +421,8 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
                 frozen_wake["monitor_error"] = type(monitor.exception()).__name__
             frozen_wake["late_commands"] = late["commands"]
             frozen_wake["late_caption_writes"] = late["caption_writes"]
+            frozen_wake["alive_checked_after_wake_s"] = round(
+                time.monotonic() - killed_wall - frozen_wake["woke_after_s"], 1)
             frozen_wake["alive_after_wake"] = sum(
                 1 for p in fault.pids if pid_state(p) in ("running", "stopped"))
             frozen_wake["processes"] = len(fault.pids)
@@ -446,6 +450,7 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
                                            if not c.gap_s} - set(finals)
                                           - {c.segment_id for c in caps if c.withdrawn}),
                 "resumes": int(float(status.get("resumes", 0) or 0)),
+                "skipped": float(status.get("resume_skipped_s", 0) or 0),
                 "silence": silence})
         out.update(
             fault_at_audio_s=round(killed_audio, 2),
@@ -456,7 +461,9 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             seq_contiguous=all(p["seq_contiguous"] for p in per_stream),
             captions_left_open=sum(p["captions_left_open"] for p in per_stream),
             wer_mean=round(sum(p["wer"] for p in per_stream) / len(per_stream), 4),
-            resumes=sum(p["resumes"] for p in per_stream))
+            streams_with_cursor_at_fault=with_cursor,
+            resumes=sum(p["resumes"] for p in per_stream),
+            resume_skipped_s=round(sum(p["skipped"] for p in per_stream), 2))
         if mode != "control":
             out.update(on_a_live_actor_after_p50_s=_r(percentile(backs, 50)),
                        on_a_live_actor_after_p95_s=_r(percentile(backs, 95)),
