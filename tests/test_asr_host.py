@@ -373,12 +373,14 @@ async def test_a_new_owner_reads_again_from_the_start_when_no_final_was_made(
     old = AsrHost(replace(host_options(redis_url), actor_id="asr-old"), real_engine())
     new = AsrHost(replace(host_options(redis_url), actor_id="asr-new"), real_engine())
     try:
-        await asyncio.wait_for(old.start(), 60)
+        # Both up before any audio: a pause between the two halves while the new host
+        # loaded its model let the old session take the pause for the end of the
+        # sentence and make it final (a cursor at the live edge: nothing to read again).
+        await asyncio.wait_for(asyncio.gather(old.start(), new.start()), 60)
         await old.add_stream(stream_options("talk"))
         pos = await asyncio.wait_for(feed(bus, "talk", first), 20)
         assert not [c for c in await bus.captions_after("talk", "en", 0) if c.is_final]
         assert await bus.load_cursor("talk") is None  # nothing final: no cursor
-        await asyncio.wait_for(new.start(), 60)
         await new.add_stream(stream_options("talk"))  # the old owner is never told
         await asyncio.wait_for(feed(bus, "talk", second, pos=pos), 30)
 
