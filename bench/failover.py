@@ -208,6 +208,24 @@ def _killable_actor_class() -> Any:
 
 
 # ---- one round -----------------------------------------------------------------------
+def asr_options(cfg: Any, actor_id: str, args: argparse.Namespace) -> Any:
+    """The ASR host's options as the runtime builds them from the event (its session
+    policy and, where the code has one, its lease), so the bench judges the product's
+    failover and not one of its own."""
+    import dataclasses
+
+    from orchestrator.actor_options import session_policy
+    from workers.asr import AsrHostOptions
+
+    extra: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(AsrHostOptions)}
+    if "lease_ttl_s" in names:
+        extra["lease_ttl_s"] = getattr(cfg.engine, "lease_ttl_s", None)
+    return AsrHostOptions(actor_id=actor_id, redis_url=args.redis_url,
+                          max_streams=args.streams, max_catchup_s=15.0,
+                          session_policy=session_policy(cfg), **extra)
+
+
 def talk_pcm() -> tuple[bytes, float]:
     from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16
     from workers.events import SAMPLE_RATE
@@ -224,7 +242,6 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
     from orchestrator.router import Router
     from orchestrator.runtime import EventRuntime
     from tests.speech import normalize, reference_text
-    from workers.asr import AsrHostOptions
     from workers.bus import RedisBus, connect_redis
     from workers.engines.embedded import EmbeddedEngineOptions
     from workers.events import SAMPLE_RATE, AudioChunk
@@ -258,8 +275,7 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
         where = "node_b" if role == "victim" and mode in NODE_MODES else "node_a"
         runtime.asr[f"{mode}-{role}"] = ray.remote(num_cpus=0, max_restarts=-1)(cls).options(
             name=f"bench-failover-{mode}-{role}", resources={where: 1}).remote(
-            AsrHostOptions(actor_id=f"{mode}-{role}", redis_url=args.redis_url,
-                           max_streams=args.streams, max_catchup_s=15.0),
+            asr_options(cfg, f"{mode}-{role}", args),
             EmbeddedEngineOptions(model=args.model, cpu_threads=args.cpu_threads))
     victim, spare = f"{mode}-victim", f"{mode}-spare"
     if file_source:
@@ -500,6 +516,17 @@ def against_control(row: dict[str, Any], control: dict[str, Any]) -> None:
     row["words_doubled_vs_control_max_stream"] = max(doubled)
 
 
+def _commit() -> str | None:
+    """The code measured: the checkout's HEAD (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES),
@@ -534,7 +561,7 @@ def main() -> int:
                       head_node_args={"num_cpus": 2, "resources": {"node_a": 100},
                                       "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
-    result: dict[str, Any] = {"model": args.model, "streams": args.streams,
+    result: dict[str, Any] = {"commit": _commit(), "model": args.model, "streams": args.streams,
                               "cpu_threads": args.cpu_threads, "cores": os.cpu_count(),
                               "kill_at_s": args.kill_at, "talk_s": round(talk_pcm()[1], 1),
                               "freeze_s": args.freeze_s, "modes": modes}
