@@ -51,7 +51,7 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
                       chars_per_speech_s=c.rut_chars_per_speech_s,
                       max_lag_s=c.rut_max_lag_s),
         stall_s=c.stall_s, stall_max_s=c.stall_max_s, dither_lsb=c.dither_lsb,
-        max_fill_s=c.max_fill_s,
+        max_fill_s=c.max_fill_s, shed_after_s=c.shed_after_s,
     )
 
 

@@ -129,10 +129,17 @@ async def _tail(url: str, stream: str, lang: str | None, since: int | None, fina
                     target = target.split("?")[0] + "?" + "&".join(
                         [q for q in query if not q.startswith("since=")] + [f"since={since}"]
                     )
-                    if finals and not msg["is_final"]:
-                        continue
+                    kind = msg.get("type", "caption")
+                    if kind == "withdraw" or (finals and kind == "caption"
+                                              and not msg.get("is_final")):
+                        # an interim taken back: nothing to show (the JSON view shows it)
+                        if not as_json or finals:
+                            continue
                     if as_json:
                         print(json.dumps(msg, ensure_ascii=False), flush=True)
+                    elif kind == "gap":  # speech skipped to catch up (shedding policy)
+                        print(f"[{msg['seq']:>6}] ✂ {float(msg.get('gap_s', 0)):.1f} s not "
+                              "captioned", flush=True)
                     else:
                         mark = "■" if msg["is_final"] else "…"
                         text = msg["text"]

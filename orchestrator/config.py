@@ -148,8 +148,15 @@ class SessionConfig(_Strict):
         default=1.0, ge=0, description="below this many characters per speech second: a rut")
     rut_max_lag_s: float = Field(
         default=30.0, gt=0,
-        description="the watchdog judges only speech the engine session has decoded, unless "
-                    "the session is this far behind the newest audio")
+        description="seconds of speech fed to a session while its recognition does not move "
+                    "at all (it stopped hearing) before the watchdog replaces it; a session "
+                    "that is merely slow is never replaced (it is behind, not stuck)")
+    shed_after_s: float | None = Field(
+        default=None, gt=0, le=600,
+        description="when a stream's captions fall this many seconds behind its audio, skip "
+                    "to the live edge and say so: a `gap` event with the seconds skipped in "
+                    "the captions and the archive (counted); null (default): keep every word "
+                    "up to the input queue's size (~60 s), counting and logging what it drops")
     stall_s: float = Field(
         default=1.0, gt=0,
         description="source silence before dithered noise is fed; raised automatically up to "

@@ -427,3 +427,16 @@ def test_a_cluster_needs_a_redis_every_node_reaches(tmp_path: Path) -> None:
     # events share a cluster: each has its own namespace for its actors' names
     assert ray_namespace("My Conference 2026!") == "babelcast-my-conference-2026"
     assert ray_namespace("Hall A") != ray_namespace("Hall B")
+
+
+def test_the_shedding_policy_is_the_operators_choice() -> None:
+    """engine.session.shed_after_s reaches the session manager's policy; unset, a stream
+    keeps its backlog (issue 36)."""
+    from orchestrator.actor_options import session_policy
+
+    base = "event: e\nstreams:\n  - {id: a, source: push, language: en}\n"
+    assert session_policy(parse_event(base)).shed_after_s is None
+    shed = parse_event(base + "engine: {session: {shed_after_s: 20}}\n")
+    assert session_policy(shed).shed_after_s == 20.0
+    with pytest.raises(ConfigError, match="shed_after_s"):
+        parse_event(base + "engine: {session: {shed_after_s: -1}}\n")
