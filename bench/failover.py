@@ -28,10 +28,11 @@ The supervisor runs as `babelcast run` runs it (Ray's death signal plus a 5 s po
 a zombie) or stopped (state T), or, for `engine_loss`, the model seen unloaded.
 
 Reported per mode, over its streams: p50/p95/max of each stream's longest stretch without
-a caption from the fault to the end of the speech, the seconds until each stream is on a
-live actor, words lost and doubled against the control stream with the same index
-(deletions and insertions beyond the control's, jiwer), finals made twice, whether each
-stream's caption seq numbers run 1..n without a gap or a repeat. The control reports the
+a caption from the fault to the end of the speech or its last caption, whichever is later;
+the seconds until each stream is on a live actor; words lost and doubled against the
+control stream with the same index (deletions and insertions beyond the control's, jiwer);
+finals made twice; whether each stream's caption seq numbers run 1..n without a gap or a
+repeat; how many streams had a cursor (a final) at the fault. The control reports the
 same silence measure from the same point of the talk: what the CPU alone costs.
 """
 
@@ -451,7 +452,11 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             words = jiwer.process_words(reference, text)
             finals = [c.segment_id for c in caps
                       if c.is_final and not c.withdrawn and not c.gap_s]
-            silence = longest_silence([c.emit_time for c in caps], fault.at, speech_end)
+            emitted = [c.emit_time for c in caps]
+            # Up to the end of the speech (a stream never back is silent all that time),
+            # or to its last caption when it runs behind real time (on 2 cores 8 streams
+            # caption well after the speech: a gap there is a gap too).
+            silence = longest_silence(emitted, fault.at, max(speech_end, *emitted[-1:]))
             silences.append(silence)
             if sid in back:
                 backs.append(back[sid])

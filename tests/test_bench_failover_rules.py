@@ -30,6 +30,10 @@ def test_longest_silence_runs_from_the_fault_through_the_captions_to_the_end() -
     assert longest_silence([10.5, 11.0], start=10.0, end=30.0) == pytest.approx(19.0)
     # Never back: silent from the fault to the end.
     assert longest_silence([], start=10.0, end=30.0) == pytest.approx(20.0)
+    # Behind real time: captions after the speech's end, with a 12 s gap among them; the
+    # bench ends the window at the last caption then, and the gap counts.
+    assert longest_silence([22.0, 34.0, 35.0], start=10.0, end=35.0) == pytest.approx(12.0)
+    assert longest_silence([22.0, 34.0, 35.0], start=10.0, end=21.0) == pytest.approx(11.0)
     # The first caption after the fault is what ends the first silence.
     assert longest_silence([14.0, 15.0], start=10.0, end=15.0) == pytest.approx(4.0)
 
