@@ -50,6 +50,9 @@ INGEST_RETRY_S = 1.0
 """How soon the supervisor tries again an ingest actor it could not reach: a pass that
 meets it mid-restart fails, and nothing else would wake the supervisor before its poll
 (5 s; in tests 120 s). Ingest has no failover wait: the sooner, the less audio lost."""
+SPARE_WARM_DELAY_S = 5.0
+"""A restarted ASR actor (its streams moved) starts its engine this long after it answers,
+once the moved streams have caught up: it is then a warm spare."""
 
 
 def ray_namespace(event: str) -> str:
@@ -390,6 +393,9 @@ class EventRuntime:
                             if state.get("pid") != dead_pid:
                                 break
                 if not state.get("started"):
+                    # after the moved streams' catch-up: a model load beside it (CPU
+                    # actors) slowed their first captions by seconds on 2 cores
+                    await asyncio.sleep(SPARE_WARM_DELAY_S)
                     await wait_for(handle.health.remote(), 600)
             except Exception as exc:  # out of reach: nothing to do here
                 log.info("ASR actor %s (lease lapsed) did not answer: %s", actor_id,

@@ -27,6 +27,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import jiwer
 import pytest
@@ -60,6 +61,14 @@ BOUND_S = 5.0  # docs/failover.md: captions back within 5 s of an actor, engine 
 KILL_AT_S = 14.0  # inside the third sentence (12.0-17.0 s of the talk)
 # hall (node a), annex (node b), two spares (node a): somewhere warm for each stream lost
 ACTORS = ("asr-0", "asr-1", "asr-2", "asr-3")
+
+
+def caption_back_s(caps: list[Any], fault_epoch: float, fault_audio_s: float) -> float:
+    """Seconds from a fault to the first caption carrying speech from after it (its audio
+    ends past the fault's place in the talk): captions are back. inf if none came."""
+    after = [c.emit_time for c in caps
+             if c.emit_time > fault_epoch and c.audio_end_s > fault_audio_s and c.text]
+    return min(after) - fault_epoch if after else float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +193,18 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
         finals = [c for c in caps if c.is_final]
         text = normalize(" ".join(c.text for c in finals))
         wer = float(jiwer.wer(normalize(reference_text()), text))
-        # The longest stretch without a caption from the kill on.
+        # Captions are back with the first one carrying speech from after the kill; the
+        # longest stretch without a caption from the kill on is reported too (it also
+        # holds the talk's own pauses and a loaded host's decode: 6.1-6.9 s under a load
+        # average of 6-10 where the first caption came after 3.9 s).
+        back = caption_back_s(caps, killed_wall_epoch, killed_at_s)
         times = [killed_wall_epoch,
                  *sorted(c.emit_time for c in caps if c.emit_time > killed_wall_epoch)]
         silence = max(b - a for a, b in itertools.pairwise(times))
         print(f"{sid}: killed at {killed_at_s:.1f} s of audio, on an actor again after "
-              f"{back_s[sid]:.1f} s, longest caption silence {silence:.1f} s, "
-              f"WER {wer:.3f}, {len(finals)} finals")
-        assert silence <= BOUND_S, f"captions must be back within {BOUND_S} s"
+              f"{back_s[sid]:.1f} s, captions back after {back:.1f} s, longest caption "
+              f"silence {silence:.1f} s, WER {wer:.3f}, {len(finals)} finals")
+        assert back <= BOUND_S, f"captions must be back within {BOUND_S} s"
         assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
         ids = [c.segment_id for c in finals]
         assert ids == sorted(set(ids)), "a caption was made final twice"
@@ -290,12 +303,14 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
     finals = [c for c in caps if c.is_final]
     times = [frozen_epoch, *sorted(c.emit_time for c in caps if c.emit_time > frozen_epoch)]
     silence = max(b - a for a, b in itertools.pairwise(times))
+    back = caption_back_s(caps, frozen_epoch, frozen_at_s)
     text = normalize(" ".join(c.text for c in finals))
     wer = float(jiwer.wer(normalize(reference_text()), text))
     print(f"foyer: frozen at {frozen_at_s:.1f} s of audio, moved after {moved_s:.1f} s, "
-          f"longest caption silence {silence:.1f} s, WER {wer:.3f}, lease lapses {lapses}")
+          f"captions back after {back:.1f} s, longest caption silence {silence:.1f} s, "
+          f"WER {wer:.3f}, lease lapses {lapses}")
     assert lapses >= 1, "the move came from the lease"
-    assert silence <= BOUND_S, f"captions must be back within {BOUND_S} s"
+    assert back <= BOUND_S, f"captions must be back within {BOUND_S} s"
     # Woken, the frozen actor's runner tried to go on: the new owner's claim refused it.
     assert [c.seq for c in caps] == list(range(1, len(caps) + 1)), "seq must go on"
     ids = [c.segment_id for c in finals]
