@@ -102,7 +102,8 @@ class EventRuntime:
     _lease_seen: set[str] = field(default_factory=set)
     _lease_lapsed: dict[str, float] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)
-    lease_redis_restarts: int = 0  # Redis restarts the lease reader saw (its run id)
+    lease_redis_restarts: int = 0  # Redis restarts or stalls the lease reader saw
+    lease_all_lapsed: int = 0  # times every seen lease was gone at once (not acted on)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     # Held by each supervisor pass and by each hot apply's changes to pins and config
     # (orchestrator.apply): a pass that read the pins before a stream was removed would
@@ -420,6 +421,7 @@ class EventRuntime:
 
         redis = connect_redis(self.redis_url)
         run_id = None
+        last_ok = time.monotonic()
         try:
             while True:
                 actors = list(self.asr)
@@ -429,16 +431,34 @@ class EventRuntime:
                 except Exception:
                     await asyncio.sleep(every_s)
                     continue
-                if server != run_id:
+                now = time.monotonic()
+                stalled = now - last_ok > max(1.0, 4 * every_s)
+                last_ok = now
+                if server != run_id or stalled:
+                    # A new run id: Redis came back empty. A gap in these reads: Redis
+                    # stalled (a SIGSTOP, a slow disk, a paused VM), and its clock expired
+                    # leases the actors could not renew meanwhile. Neither says an actor
+                    # is lost: leases count again once renewed.
                     if run_id is not None:
-                        log.warning("Redis restarted: ASR leases are judged again once "
-                                    "renewed")
+                        log.warning("Redis %s: ASR leases are judged again once renewed",
+                                    "restarted" if server != run_id else "stalled")
                         self._lease_seen.clear()
                         self.lease_redis_restarts += 1
                     run_id = server
                     await asyncio.sleep(every_s)
                     continue
-                now = time.monotonic()
+                gone = [a for a, v in zip(actors, values, strict=True)
+                        if v is None and a in self._lease_seen]
+                if len(gone) >= 2 and set(gone) >= self._lease_seen:
+                    # Every lease at once: a Redis that stalled past the expiry (its clock
+                    # ran on), more likely than every actor lost; and with every actor
+                    # lost there is nowhere to move to. Judged again once renewed.
+                    log.warning("all %d ASR leases lapsed at once: Redis stalled? not moving "
+                                "streams for it", len(gone))
+                    self._lease_seen.clear()
+                    self.lease_all_lapsed += 1
+                    await asyncio.sleep(every_s)
+                    continue
                 for actor_id, value in zip(actors, values, strict=True):
                     if value is not None:
                         self._lease_seen.add(actor_id)

@@ -156,3 +156,48 @@ async def test_the_supervisor_takes_a_lapse_for_a_lost_actor_not_a_redis_restart
             k._stop.set()
         await asyncio.gather(watcher, return_exceptions=True)
         server.stop()
+
+
+async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) -> None:
+    """A Redis stalled past the leases' expiry (SIGSTOP: its clock runs on) has every lease
+    gone when it answers again: the reader does not move every stream for it (and with
+    every actor lost there would be nowhere to move them); one actor lost alone still is."""
+    port = free_port()
+    server = LocalRedisServer(port=port, data_dir=tmp_path / "redis")
+    url = server.start()
+    actors = ("asr-0", "asr-1", "asr-2")
+    keepers = {a: LeaseKeeper(url, a, lambda: True, ttl_s=1.0, every_s=0.2) for a in actors}
+    runtime = EventRuntime(parse_event(EVENT.format(url=url)), redis_url=url)
+    runtime.asr = dict.fromkeys(actors)
+    watcher = asyncio.create_task(runtime.watch_leases(every_s=0.1))
+    try:
+        for k in keepers.values():
+            k.start()
+
+        async def all_seen() -> bool:
+            return runtime._lease_seen == set(actors)
+
+        await eventually(all_seen, 10, "every lease seen")
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)  # Redis stalls for 2.5 s: every key expires
+        await asyncio.sleep(2.5)
+        os.kill(server.pid, signal.SIGCONT)
+
+        async def noticed() -> bool:
+            return runtime.lease_redis_restarts + runtime.lease_all_lapsed >= 1
+
+        await eventually(noticed, 10, "Redis's stall noticed")
+        await eventually(all_seen, 10, "every lease seen again")
+        assert runtime._lease_lapsed == {}
+        keepers["asr-2"]._stop.set()  # the control: one actor lost alone is moved
+
+        async def one_lapsed() -> bool:
+            return set(runtime._lease_lapsed) == {"asr-2"}
+
+        await eventually(one_lapsed, 5, "asr-2's lapse")
+    finally:
+        watcher.cancel()
+        for k in keepers.values():
+            k._stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)
+        server.stop()
