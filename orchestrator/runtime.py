@@ -301,13 +301,8 @@ class EventRuntime:
                     # The actor answers but its engine is dead (a crashed vLLM engine
                     # core): only a new process brings it back. Ray restarts the actor
                     # (max_restarts=-1); the next pass re-adds its streams.
-                    log.error("ASR actor %s: its engine is dead; replacing the actor",
-                              actor_id)
-                    metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
                     self._actor_up(actor_id, "asr", False)
-                    if state.get("pid") is not None:
-                        self._replacing[actor_id] = state["pid"]
-                    ray.kill(handle, no_restart=False)
+                    self._replace_dead_engine(actor_id, handle, state)
                     problems.append(f"{actor_id}: engine dead, actor replaced")
                     continue
                 have = set(await wait_for(handle.streams.remote(), timeout_s))
@@ -365,6 +360,18 @@ class EventRuntime:
             self._ingest_unreached.discard(actor_id)
         return problems
 
+    def _replace_dead_engine(self, actor_id: str, handle: Any, state: dict[str, Any]
+                             ) -> None:
+        """The actor answers but its engine is dead: only a new process brings it back.
+        Ray restarts the actor (max_restarts=-1); its pid is remembered, so a pass that
+        still reaches the dying process does not kill again (that kill would land on the
+        replacement)."""
+        log.error("ASR actor %s: its engine is dead; replacing the actor", actor_id)
+        metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
+        if state.get("pid") is not None:
+            self._replacing[actor_id] = state["pid"]
+        ray.kill(handle, no_restart=False)
+
     def _probe_lapsed(self, actor_id: str, handle: Any, timeout_s: float = 5.0) -> None:
         """Ask an actor whose lease lapsed how it is, off the pass: one that answers
         with a dead engine is replaced (Ray restarts it without its engine's fault); one
@@ -379,13 +386,8 @@ class EventRuntime:
                 state = await wait_for(handle.state.remote(), timeout_s)
                 if state.get("started") and state.get("engine_ok") is False and \
                         self._replacing.get(actor_id) != state.get("pid"):
-                    log.error("ASR actor %s: its engine is dead; replacing the actor",
-                              actor_id)
-                    metrics.ENGINE_REPLACEMENTS.labels(actor=actor_id).inc()
                     dead_pid = state.get("pid")
-                    if dead_pid is not None:
-                        self._replacing[actor_id] = dead_pid
-                    ray.kill(handle, no_restart=False)
+                    self._replace_dead_engine(actor_id, handle, state)
                     deadline = time.monotonic() + 120
                     while time.monotonic() < deadline:  # until Ray's new process answers
                         await asyncio.sleep(0.5)
