@@ -63,6 +63,20 @@ KILL_AT_S = 14.0  # inside the third sentence (12.0-17.0 s of the talk)
 ACTORS = ("asr-0", "asr-1", "asr-2", "asr-3")
 
 
+async def feed_talk(bus: RedisBus, pcm: bytes, streams: tuple[str, ...], fed: list[int],
+                    at_fault: asyncio.Event) -> None:
+    """`pcm` into every stream at real-time pace, 100 ms at a time; `fed[0]` is the samples
+    written so far, and `at_fault` is set once KILL_AT_S of the talk is in."""
+    t0 = time.monotonic()
+    for i in range(0, len(pcm), CHUNK * 2):
+        await asyncio.sleep(max(0.0, t0 + (i // 2 + CHUNK) / SAMPLE_RATE - time.monotonic()))
+        for sid in streams:
+            await bus.add_audio(AudioChunk(sid, i // 2, pcm[i:i + CHUNK * 2], time.time()))
+        fed[0] = i // 2 + CHUNK
+        if fed[0] >= KILL_AT_S * SAMPLE_RATE:
+            at_fault.set()
+
+
 def caption_back_s(caps: list[Any], fault_epoch: float, fault_audio_s: float) -> float:
     """Seconds from a fault to the first caption carrying speech from after it (its audio
     ends past the fault's place in the talk): captions are back. inf if none came."""
@@ -108,16 +122,8 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
     at_kill = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 
-    async def feed() -> None:
-        t0 = time.monotonic()
-        for i in range(0, len(pcm), CHUNK * 2):
-            await asyncio.sleep(max(0.0, t0 + (i // 2 + CHUNK) / SAMPLE_RATE
-                                    - time.monotonic()))
-            for sid in ("hall", "annex"):
-                await bus.add_audio(AudioChunk(sid, i // 2, pcm[i:i + CHUNK * 2], time.time()))
-            fed[0] = i // 2 + CHUNK
-            if fed[0] >= KILL_AT_S * SAMPLE_RATE:
-                at_kill.set()
+    def feed() -> Awaitable[None]:
+        return feed_talk(bus, pcm, ("hall", "annex"), fed, at_kill)
 
     hall, annex = runtime.asr["asr-0"], runtime.asr["asr-1"]
     try:
@@ -244,15 +250,8 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
     at_freeze = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
 
-    async def feed() -> None:
-        t0 = time.monotonic()
-        for i in range(0, len(pcm), CHUNK * 2):
-            await asyncio.sleep(max(0.0, t0 + (i // 2 + CHUNK) / SAMPLE_RATE
-                                    - time.monotonic()))
-            await bus.add_audio(AudioChunk("foyer", i // 2, pcm[i:i + CHUNK * 2], time.time()))
-            fed[0] = i // 2 + CHUNK
-            if fed[0] >= KILL_AT_S * SAMPLE_RATE:
-                at_freeze.set()
+    def feed() -> Awaitable[None]:
+        return feed_talk(bus, pcm, ("foyer",), fed, at_freeze)
 
     frozen, spare = runtime.asr["frz-0"], runtime.asr["frz-1"]
     pid = None

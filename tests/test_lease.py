@@ -7,11 +7,13 @@ Redis that came back empty for the loss of every actor."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -109,67 +111,19 @@ streams:
 """
 
 
-async def test_the_supervisor_takes_a_lapse_for_a_lost_actor_not_a_redis_restart(
-        tmp_path: Path) -> None:
-    port = free_port()
-    server = LocalRedisServer(port=port, data_dir=tmp_path / "redis")
+@contextlib.asynccontextmanager
+async def leases_read(tmp_path: Path, actors: tuple[str, ...]
+                      ) -> AsyncIterator[tuple[LocalRedisServer, dict[str, LeaseKeeper],
+                                               EventRuntime, asyncio.Event]]:
+    """A redis-server of this test's own, a keeper (1 s expiry) per actor, and a runtime
+    whose lease reader (every 0.1 s) reads them: (server, keepers, runtime, wake)."""
+    server = LocalRedisServer(port=free_port(), data_dir=tmp_path / "redis")
     url = server.start()
-    keepers = {a: LeaseKeeper(url, a, lambda: True, ttl_s=1.0, every_s=0.2)
-               for a in ("asr-0", "asr-1")}
-    runtime = EventRuntime(parse_event(EVENT.format(url=url)), redis_url=url)
-    runtime.asr = {"asr-0": None, "asr-1": None}  # only their leases are read here
-    wake = asyncio.Event()
-    watcher = asyncio.create_task(runtime.watch_leases(every_s=0.1, wake=wake))
-    try:
-        for k in keepers.values():
-            k.start()
-
-        async def both_seen() -> bool:
-            return runtime._lease_seen == {"asr-0", "asr-1"}
-
-        await eventually(both_seen, 10, "both leases seen")
-        # Redis comes back empty (no append-only file here): every lease is gone at
-        # once, and none of the actors is lost.
-        server.stop()
-        server = LocalRedisServer(port=port, data_dir=tmp_path / "redis-empty")
-        assert server.start() == url
-
-        async def restart_seen() -> bool:
-            return runtime.lease_redis_restarts == 1
-
-        await eventually(restart_seen, 10, "the reader saw Redis restart")
-        await eventually(both_seen, 10, "both leases seen again after the restart")
-        assert runtime._lease_lapsed == {}, "a Redis restart is not every actor lost"
-        # Now one actor is lost (its keeper stops renewing without a word).
-        keepers["asr-0"]._stop.set()
-        t = time.monotonic()
-
-        async def lapsed() -> bool:
-            return "asr-0" in runtime._lease_lapsed
-
-        await eventually(lapsed, 5, "asr-0's lapse seen")
-        assert time.monotonic() - t <= 1.0 + 0.5
-        assert wake.is_set() and "asr-1" not in runtime._lease_lapsed
-    finally:
-        watcher.cancel()
-        for k in keepers.values():
-            k._stop.set()
-        await asyncio.gather(watcher, return_exceptions=True)
-        server.stop()
-
-
-async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) -> None:
-    """A Redis stalled past the leases' expiry (SIGSTOP: its clock runs on) has every lease
-    gone when it answers again: the reader does not move every stream for it (and with
-    every actor lost there would be nowhere to move them); one actor lost alone still is."""
-    port = free_port()
-    server = LocalRedisServer(port=port, data_dir=tmp_path / "redis")
-    url = server.start()
-    actors = ("asr-0", "asr-1", "asr-2")
     keepers = {a: LeaseKeeper(url, a, lambda: True, ttl_s=1.0, every_s=0.2) for a in actors}
     runtime = EventRuntime(parse_event(EVENT.format(url=url)), redis_url=url)
-    runtime.asr = dict.fromkeys(actors)
-    watcher = asyncio.create_task(runtime.watch_leases(every_s=0.1))
+    runtime.asr = dict.fromkeys(actors)  # only their leases are read here
+    wake = asyncio.Event()
+    watcher = asyncio.create_task(runtime.watch_leases(every_s=0.1, wake=wake))
     try:
         for k in keepers.values():
             k.start()
@@ -178,6 +132,54 @@ async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) 
             return runtime._lease_seen == set(actors)
 
         await eventually(all_seen, 10, "every lease seen")
+        yield server, keepers, runtime, wake
+    finally:
+        watcher.cancel()
+        for k in keepers.values():
+            k._stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)
+        server.stop()
+
+
+async def test_the_supervisor_takes_a_lapse_for_a_lost_actor_not_a_redis_restart(
+        tmp_path: Path) -> None:
+    async with leases_read(tmp_path, ("asr-0", "asr-1")) as (server, keepers, runtime, wake):
+        # Redis comes back empty (no append-only file here): every lease is gone at
+        # once, and none of the actors is lost.
+        url = server.url
+        server.stop()
+        empty = LocalRedisServer(port=server.port, data_dir=tmp_path / "redis-empty")
+        assert empty.start() == url
+        try:
+            async def restart_seen() -> bool:
+                return runtime.lease_redis_restarts == 1
+
+            async def both_seen() -> bool:
+                return runtime._lease_seen == {"asr-0", "asr-1"}
+
+            await eventually(restart_seen, 10, "the reader saw Redis restart")
+            await eventually(both_seen, 10, "both leases seen again after the restart")
+            assert runtime._lease_lapsed == {}, "a Redis restart is not every actor lost"
+            # Now one actor is lost (its keeper stops renewing without a word).
+            keepers["asr-0"]._stop.set()
+            t = time.monotonic()
+
+            async def lapsed() -> bool:
+                return "asr-0" in runtime._lease_lapsed
+
+            await eventually(lapsed, 5, "asr-0's lapse seen")
+            assert time.monotonic() - t <= 1.0 + 0.5
+            assert wake.is_set() and "asr-1" not in runtime._lease_lapsed
+        finally:
+            empty.stop()
+
+
+async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) -> None:
+    """A Redis stalled past the leases' expiry (SIGSTOP: its clock runs on) has every lease
+    gone when it answers again: the reader does not move every stream for it (and with
+    every actor lost there would be nowhere to move them); one actor lost alone still is."""
+    actors = ("asr-0", "asr-1", "asr-2")
+    async with leases_read(tmp_path, actors) as (server, keepers, runtime, _):
         assert server.pid is not None
         os.kill(server.pid, signal.SIGSTOP)  # Redis stalls for 2.5 s: every key expires
         await asyncio.sleep(2.5)
@@ -185,6 +187,9 @@ async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) 
 
         async def noticed() -> bool:
             return runtime.lease_redis_restarts + runtime.lease_all_lapsed >= 1
+
+        async def all_seen() -> bool:
+            return runtime._lease_seen == set(actors)
 
         await eventually(noticed, 10, "Redis's stall noticed")
         await eventually(all_seen, 10, "every lease seen again")
@@ -195,9 +200,3 @@ async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) 
             return set(runtime._lease_lapsed) == {"asr-2"}
 
         await eventually(one_lapsed, 5, "asr-2's lapse")
-    finally:
-        watcher.cancel()
-        for k in keepers.values():
-            k._stop.set()
-        await asyncio.gather(watcher, return_exceptions=True)
-        server.stop()
