@@ -62,7 +62,7 @@ def test_every_key_of_the_schema_has_a_row_on_the_page() -> None:
     expected = _schema_keys(schema, schema, "")
     assert [k.path for k in config_doc.keys()] == expected
     page = config_doc.PAGE.read_text(encoding="utf-8")
-    sections = dict(re.findall(r"^## `?([^`\n]+)`?\n(.*?)(?=^## |\Z)", page, re.S | re.M))
+    sections = dict(re.findall(r"^### `?([^`\n]+)`?\n(.*?)(?=^##|\Z)", page, re.S | re.M))
     for path in expected:
         parent, _, name = path.rpartition(".")
         table = sections[parent or "Top level"]
@@ -91,7 +91,7 @@ def test_an_added_field_in_a_section_makes_the_check_fail() -> None:
         float, Field(default=2.0, gt=0, description="seconds before the first caption")))
     assert config_doc.check(_with_session(SessionConfig))  # the control: same schema
     assert not config_doc.check(_with_session(added))
-    assert "| `warmup_s` | number; > 0 | `2.0` |" in config_doc.render(_with_session(added))
+    assert "| `warmup_s` | number; > 0 | `2.0` |" in config_doc.reference(_with_session(added))
 
 
 def test_a_renamed_field_or_a_changed_description_makes_the_check_fail() -> None:
@@ -100,7 +100,7 @@ def test_a_renamed_field_or_a_changed_description_makes_the_check_fail() -> None
         for n, f in SessionConfig.model_fields.items()}
     renamed = create_model("SessionConfig", __doc__=SessionConfig.__doc__, **fields)
     assert not config_doc.check(_with_session(renamed))
-    assert "| `margin_secs` |" in config_doc.render(_with_session(renamed))
+    assert "| `margin_secs` |" in config_doc.reference(_with_session(renamed))
     reworded = _session(margin_s=(
         float, Field(default=30.0, gt=0, description="something else")))
     assert not config_doc.check(_with_session(reworded))
@@ -111,18 +111,24 @@ def test_a_key_without_an_example_or_a_description_stops_the_generator() -> None
                   (float, Field(default=1.0))):
         model = _session(new_key=extra)
         with pytest.raises(ValueError, match=re.escape("engine.session.new_key")):
-            config_doc.render(_with_session(model))
+            config_doc.reference(_with_session(model))
 
 
-def test_the_command_writes_the_page_and_its_check_fails_on_a_stale_one(
+def test_the_command_writes_the_reference_and_its_check_fails_on_a_stale_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     page = tmp_path / "configuration.md"
+    page.write_text(f"# hand-written\n\n{config_doc.START}\n{config_doc.END}\n\nmore prose\n")
     monkeypatch.setattr(config_doc, "PAGE", page)
-    assert config_doc.main(["--check"]) == 1  # no page yet
+    assert config_doc.main(["--check"]) == 1  # the reference is not there yet
     assert config_doc.main([]) == 0
     assert config_doc.main(["--check"]) == 0
-    page.write_text(page.read_text().replace("| `margin_s` |", "| `margin` |"))
+    text = page.read_text()
+    assert text.startswith("# hand-written\n") and text.endswith("\n\nmore prose\n")
+    page.write_text(text.replace("| `margin_s` |", "| `margin` |"))
     assert config_doc.main(["--check"]) == 1
+    page.write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        config_doc.main(["--check"])
 
 
 # ---- the examples are real ---------------------------------------------------------------
@@ -187,3 +193,17 @@ def test_every_example_on_the_page_validates_in_an_event_file(tmp_path: Path) ->
     assert not refused, "\n".join(refused)
     assert checked > 100
 
+
+
+def _yaml_under(page: Path, heading: str) -> str:
+    part = page.read_text(encoding="utf-8").split(heading, 1)
+    assert len(part) == 2, f"{page.name}: no heading {heading!r}"
+    block = re.search(r"```yaml\n(.*?)```", part[1], re.S)
+    assert block, f"{page.name}: no yaml block under {heading!r}"
+    return block.group(1)
+
+
+def test_the_fuller_event_file_on_the_page_validates() -> None:
+    text = _yaml_under(config_doc.PAGE, "## A fuller event file")
+    config = parse_event(text, filename="configuration.md", base_dir=ROOT)
+    assert config.auth is not None and config.outputs.youtube
