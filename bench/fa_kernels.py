@@ -24,7 +24,7 @@ the encoder's without `--trim`: 32/32 heads, head_dim 64, window 189, blocks of 
 Nothing here runs without CUDA and vLLM's FA3 build; on other machines it exits 2.
 
 `--trim` times, instead, vLLM's call against the window-trimmed one that
-`engine.vllm.window_trim` makes (workers/engines/vllm_reanchor/window_trim.py: each
+`engine.vllm.window_trim` makes (workers/engines/vllm/reanchor/window_trim.py: each
 session's block table from the first block its window sees), at FA3's own splits, for the
 decoder and for the encoder as the kernel sees it: Voxtral's encoder runs at 4 positions
 per decoder position (vLLM's block pooling), so its call has 4 query tokens per session,
@@ -94,7 +94,7 @@ def _case(torch: Any, fa: Any, shape: dict[str, int], batch: int, context: int, 
     cu_q = torch.arange(0, batch * q_len + 1, q_len, device=dev, dtype=torch.int32)
     seqused = torch.full((batch,), context, device=dev, dtype=torch.int32)
     max_k = context
-    from workers.engines.vllm_reanchor import window_trim
+    from workers.engines.vllm.reanchor import window_trim
 
     if variant is not None:
         full_table, full_seq = table, seqused
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "needs a CUDA GPU"}))
         return 2
     if args.trim:
-        from workers.engines.vllm_reanchor import window_trim
+        from workers.engines.vllm.reanchor import window_trim
 
         # the engine core's own check before it switches the lever on (None: passes)
         checks = {f"{kv} {mode}": window_trim.check("cuda", dtype, mode) for kv, dtype in

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.voxtral_capacity import _gpu_util, speech, speech_frame  # noqa: E402
-from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
+from workers.engines.vllm.engine import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
 
 FRAME = 1280
 BLANK = 32
@@ -146,7 +146,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     prompt and `lead_frames(align)` one-frame steps, `bulk_steps` steps take `bulk` frames
     at once (`bulk` a multiple of `align`, so each bulk step starts on it). With `direct`,
     the one-frame steps after them are built as the project's engine builds them
-    (`workers/engines/vllm_direct.py`); the bulk steps always go through the renderer.
+    (`workers/engines/vllm/direct.py`); the bulk steps always go through the renderer.
 
     `gate` bounds how many sessions are in their bulk steps at once: a bulk step holds the
     KV cache of `bulk` audio frames until it is computed (the encoder's ~4.5 x its window),
@@ -194,7 +194,7 @@ async def aged_prompts(backend: Any, audio: AsyncIterator[np.ndarray],
     buffer = Aged(config, prompt_tokens)
     build: Any = None
     if direct:
-        from workers.engines.vllm_direct import DirectChunkBuilder
+        from workers.engines.vllm.direct import DirectChunkBuilder
 
         if getattr(backend, "_direct", None) is None:
             backend._direct = DirectChunkBuilder.for_llm(llm)

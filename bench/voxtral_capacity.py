@@ -12,7 +12,7 @@ orchestrates, samples the GPU and adds up. Configurations:
   on front end 0 — what `vllm serve` does per WebSocket, without the socket;
 - `project`: the project's engine sessions on the same front end 0 (same AsyncLLM);
 - `project-direct`: the same, with each chunk's engine input built directly
-  (`workers/engines/vllm_direct.py`) instead of the renderer and the HF processor;
+  (`workers/engines/vllm/direct.py`) instead of the renderer and the HF processor;
 - `project-x2`, `project-direct-x2`: two front ends on the one GPU (1 and 2), half of
   the sessions each — the production shape of `engine.vllm.engines_per_gpu: 2`;
   `-x3`, `-x4`: three or four front ends (1…4), a third or a quarter of the sessions each.
@@ -117,13 +117,13 @@ sys.path.insert(0, str(ROOT))
 
 from workers.engines import vad  # noqa: E402
 from workers.engines.base import SessionOptions  # noqa: E402
-from workers.engines.mps import mps_servers  # noqa: E402
-from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV  # noqa: E402
-from workers.engines.vllm_voxtral import (  # noqa: E402
+from workers.engines.vllm.engine import (  # noqa: E402
     VllmEngineOptions,
     VllmVoxtralEngine,
     switch_lever,
 )
+from workers.engines.vllm.mps import mps_servers  # noqa: E402
+from workers.engines.vllm.options import KV_TRACE_ENV as TRACE_ENV  # noqa: E402
 from workers.events import AudioChunk  # noqa: E402
 
 FRAME = 1280
@@ -611,7 +611,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         request_logger=None)
     direct_check: dict[str, Any] | None = None
     try:
-        from workers.engines import vllm_direct
+        from workers.engines.vllm import direct as vllm_direct
 
         chunks = [audio[i * FRAME:(i + 1) * FRAME].astype(np.float32) / 32768.0
                   for i in range(60)]

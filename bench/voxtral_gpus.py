@@ -216,7 +216,7 @@ def vllm_actor_factory(args: argparse.Namespace, per_actor: int) -> ActorFactory
     import ray
 
     from orchestrator.ray_actors import AsrActor
-    from workers.engines.vllm_voxtral import VllmEngineOptions
+    from workers.engines.vllm.engine import VllmEngineOptions
 
     engine = VllmEngineOptions(
         model=args.model, max_streams=per_actor, max_model_len=args.max_model_len,

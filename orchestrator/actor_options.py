@@ -14,7 +14,7 @@ from translation.glossary import GlossaryTerm
 from translation.host import TranslationHostOptions
 from workers.engines.embedded import EmbeddedEngineOptions
 from workers.engines.realtime_ws import RealtimeWsOptions
-from workers.engines.vllm_voxtral import VllmEngineOptions
+from workers.engines.vllm.engine import VllmEngineOptions
 from workers.events import StreamOptions
 from workers.sessions.manager import SessionPolicy
 from workers.sessions.watchdog import RutPolicy

@@ -18,7 +18,7 @@ from workers.asr import AsrHost, AsrHostOptions
 from workers.engines.base import SpeechEngine
 from workers.engines.embedded import EmbeddedWhisperEngine
 from workers.engines.realtime_ws import RealtimeWsEngine, RealtimeWsOptions
-from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.engine import VllmEngineOptions, VllmVoxtralEngine
 from workers.events import StreamOptions
 from workers.ingest import IngestHost, IngestHostOptions
 

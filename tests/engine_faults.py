@@ -14,7 +14,7 @@ import os
 from orchestrator.ray_actors import _HostActor
 from tests.fake_vllm import FakeVllmBackend
 from workers.asr import AsrHost, AsrHostOptions
-from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.engine import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
 
 
 class FakeVllmAsrActor(_HostActor):

@@ -11,7 +11,7 @@ the text " w<k>" where k is the output's index, so tests can tell which output a
 came from.
 
 Started by the engine through a backend factory (`VllmVoxtralEngine(...,
-backend_factory=...)`), it answers the start checks (workers/engines/vllm_checks.py) with
+backend_factory=...)`), it answers the start checks (workers/engines/vllm/checks.py) with
 what a test tells it: its `version`, whether the plugin was asked for, the plugin worker's
 probe, the direct-input check's report. Those answers are scripted: they stand in for what
 only the GPU can measure.
@@ -73,7 +73,7 @@ class FakeVllmBackend:
 
     direct_answer: dict[str, Any] | Exception = field(
         default_factory=lambda: {"prompts": 30, "equal": True, "mismatches": []})
-    """vllm_direct.check_equal_async's report (its keys), or what running it raises."""
+    """direct.check_equal_async's report (its keys), or what running it raises."""
     direct_checks: int = 0
     direct_check_s: float = 0.0
     """How long the direct-input check takes to answer (a hung renderer: long)."""
@@ -93,7 +93,7 @@ class FakeVllmBackend:
     def direct_prompts(self, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
         """The real one builds the same inputs another way (checked on the GPU machine,
-        workers/engines/vllm_direct.py); here: counted, then the same buffer."""
+        workers/engines/vllm/direct.py); here: counted, then the same buffer."""
         self.direct_sessions += 1
         return self.prompts(audio, tokens)
 

@@ -32,7 +32,7 @@ from bench.voxtral_capacity import (
 from tests.fake_vllm import FRAME, FakeVllmBackend
 from workers.engines import vad
 from workers.engines.base import SessionOptions
-from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.engine import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
 from workers.events import AudioChunk
 
 pytestmark = pytest.mark.unit

@@ -229,7 +229,7 @@ def test_the_strict_bench_parses_its_device_command() -> None:
         ["--model", "m", "--config", "project-direct-x3", "--streams", "9",
          "--kv-cache-gib", "30"]), 3, 3)
     assert sized.kv_cache_memory_bytes == 30 * 2**30 and sized.reanchor == "auto"
-    from workers.engines.vllm_options import engine_kwargs
+    from workers.engines.vllm.options import engine_kwargs
 
     assert engine_kwargs(sized, {"kv_cache_memory_bytes", "model"})[
         "kv_cache_memory_bytes"] == 30 * 2**30

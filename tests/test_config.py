@@ -312,7 +312,7 @@ def test_embedded_engine_rejects_an_unknown_model(tmp_path: Path) -> None:
 
 def test_vllm_engine_yaml_maps_to_the_documented_engine_args() -> None:
     from orchestrator.actor_options import engine_options
-    from workers.engines.vllm_voxtral import VllmEngineOptions, engine_kwargs
+    from workers.engines.vllm.engine import VllmEngineOptions, engine_kwargs
 
     cfg = load_event(Path(__file__).parent.parent / "examples" / "voxtral-gpu.yaml")
     opts = engine_options(cfg)

@@ -26,12 +26,12 @@ TRANSLATION_MAY_IMPORT_FROM_WORKERS = ("workers.events", "workers.bus",
                                        "workers.captions.linebreak", "workers.aio")
 RAY_ALLOWED = ("orchestrator/runtime.py", "orchestrator/ray_actors.py",
                "orchestrator/ray_metrics.py")
-VLLM_ALLOWED = ("workers/engines/vllm*.py", "translation/backends/vllm*.py")
+VLLM_ALLOWED = ("workers/engines/vllm/*.py", "translation/backends/vllm*.py")
 # vLLM loads these by qualified name in its engine-core process (scheduler_cls,
 # worker_cls): they subclass vLLM's classes, so they import vllm at the top. Nothing in
 # the project imports them (checked below), so vllm stays out of every other process.
-VLLM_PLUGINS = ("workers/engines/vllm_reanchor/scheduler.py",
-                "workers/engines/vllm_reanchor/worker.py")
+VLLM_PLUGINS = ("workers/engines/vllm/reanchor/scheduler.py",
+                "workers/engines/vllm/reanchor/worker.py")
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +241,7 @@ def test_vllm_is_imported_only_lazily_by_the_vllm_engine_and_backend(
     bad = disallowed_vllm_imports(imports)
     assert not bad, report(
         bad,
-        "vllm may be imported only inside functions of workers/engines/vllm*.py "
+        "vllm may be imported only inside functions of workers/engines/vllm/ "
         "or translation/backends/vllm*.py",
     )
 
@@ -306,15 +306,15 @@ def test_checker_allows_vllm_only_lazily_in_the_vllm_modules() -> None:
         "        from vllm.v1.engine.async_llm import AsyncLLM\n"
     )
     eager = "import vllm\n"
-    assert disallowed_vllm_imports(imports_in(lazy, "workers/engines/vllm_voxtral.py")) == []
+    assert disallowed_vllm_imports(imports_in(lazy, "workers/engines/vllm/engine.py")) == []
     assert disallowed_vllm_imports(imports_in(lazy, "translation/backends/vllm.py")) == []
-    assert len(disallowed_vllm_imports(imports_in(eager, "workers/engines/vllm.py"))) == 1
+    assert len(disallowed_vllm_imports(imports_in(eager, "workers/engines/vllm/engine.py"))) == 1
     assert len(disallowed_vllm_imports(imports_in(lazy, "workers/engines/embedded.py"))) == 2
     assert len(disallowed_vllm_imports(imports_in(lazy, "orchestrator/runtime.py"))) == 2
-    plugin = "workers/engines/vllm_reanchor/worker.py"
+    plugin = "workers/engines/vllm/reanchor/worker.py"
     assert disallowed_vllm_imports(imports_in(eager, plugin)) == []
-    user = "from workers.engines.vllm_reanchor.worker import ReanchorWorker\n"
-    assert len(plugin_imports(imports_in(user, "workers/engines/vllm_voxtral.py"))) == 1
+    user = "from workers.engines.vllm.reanchor.worker import ReanchorWorker\n"
+    assert len(plugin_imports(imports_in(user, "workers/engines/vllm/engine.py"))) == 1
 
 
 def test_checker_reports_file_and_line() -> None:

@@ -25,9 +25,9 @@ import pytest
 from bench import voxtral_capacity as capacity
 from tests.fake_vllm import FakeVllmBackend, started_health
 from workers.engines.base import EngineError
-from workers.engines.mps import CONTROL, mps_advice, mps_clients, mps_servers, mps_unserved
-from workers.engines.vllm_checks import engine_core_pids
-from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.checks import engine_core_pids
+from workers.engines.vllm.engine import VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.mps import CONTROL, mps_advice, mps_clients, mps_servers, mps_unserved
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def test_mps_is_on_only_where_the_engine_core_is_a_client_of_its_server(
         no_daemon(tmp_path, monkeypatch)
     else:
         daemon(tmp_path, monkeypatch, servers, clients)
-    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm.checks"):
         health = run(built(tmp_path, probing()))
     assert health["engine_mps"] == ("on" if on else "off")
     if why is None:
@@ -208,7 +208,7 @@ def test_without_the_plugin_worker_the_engine_core_is_the_child_vllm_titled_so(
     daemon(tmp_path, monkeypatch, [4242], [child.pid])
     plain = FakeVllmBackend(version="0.26.0")  # reanchor off: no probe
     assert run(built(tmp_path, plain, cuda_mps=True))["engine_mps"] == "on"
-    monkeypatch.setattr("workers.engines.vllm_checks.ENGINE_CORE_TITLE", "NoSuchTitle")
+    monkeypatch.setattr("workers.engines.vllm.checks.ENGINE_CORE_TITLE", "NoSuchTitle")
     health = run(built(tmp_path, FakeVllmBackend(version="0.26.0")))
     assert health["engine_mps"] == "off"
     assert health["engine_mps_why"] == "the engine-core process was not found"

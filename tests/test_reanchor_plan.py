@@ -1,4 +1,4 @@
-"""The bookkeeping of one re-anchor (workers/engines/vllm_reanchor/plan.py) on plain
+"""The bookkeeping of one re-anchor (workers/engines/vllm/reanchor/plan.py) on plain
 objects shaped like vLLM 0.26's scheduler objects: `Request`, the single-type KV cache
 managers of a hybrid coordinator (Voxtral: the decoder's 8192-token window, the pooled
 audio encoder's 189-position window), `KVCacheBlock`s with a shared null block, the
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from workers.engines.vllm_reanchor.plan import (
+from workers.engines.vllm.reanchor.plan import (
     CannotReanchor,
     Geometry,
     apply,

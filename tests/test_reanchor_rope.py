@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engines.vllm_reanchor.rope import (
+from workers.engines.vllm.reanchor.rope import (
     RopeStyle,
     _rotate,
     apply_rope,

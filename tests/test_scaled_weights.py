@@ -1,4 +1,4 @@
-"""The GPU tier's test weights (workers/engines/vllm_reanchor/scaled_weights.py) on a toy
+"""The GPU tier's test weights (workers/engines/vllm/reanchor/scaled_weights.py) on a toy
 attention block shaped like vLLM's modules: each parameter gets its trained scale, two
 models built alike get the same weights, and — the point — attention then depends on its
 keys, where vLLM's dummy weights (±1e-3) make it blind to them."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from workers.engines.vllm_reanchor.scaled_weights import QK_GAIN, scale_weights_
+from workers.engines.vllm.reanchor.scaled_weights import QK_GAIN, scale_weights_
 
 pytestmark = pytest.mark.unit
 

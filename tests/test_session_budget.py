@@ -14,7 +14,7 @@ from tests.fake_vllm import FakeVllmBackend
 from tests.speech import AUDIO, decode_pcm16
 from workers.engines.base import SessionOptions
 from workers.engines.vad import InlineVad, VadService
-from workers.engines.vllm_voxtral import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
+from workers.engines.vllm.engine import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
 from workers.events import SAMPLE_RATE, AudioChunk, Word
 from workers.sessions.manager import SessionManager, SessionPolicy
 from workers.sessions.watchdog import RutPolicy

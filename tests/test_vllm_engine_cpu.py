@@ -1,6 +1,6 @@
 """The `vllm` engine's plain parts, without vLLM: options → engine args, the stream
 geometry from tekken.json, session budgets, slots, health, stamps and pacing, and the
-checks at start (workers/engines/vllm_checks.py), against a fake backend
+checks at start (workers/engines/vllm/checks.py), against a fake backend
 (tests/fake_vllm.py, named as such) that implements the real backend's async API and
 paces prompts like Voxtral's realtime buffer. What the start checks read from the GPU
 (the plugin worker's probe) is the fake's scripted answer here."""
@@ -19,8 +19,8 @@ import pytest
 
 from tests.fake_vllm import FRAME, FakeVllmBackend, started_health
 from workers.engines.base import EngineError, SessionOptions
-from workers.engines.vllm_checks import WHY_CHARS, kv_sessions, kv_shortfall
-from workers.engines.vllm_voxtral import (
+from workers.engines.vllm.checks import WHY_CHARS, kv_sessions, kv_shortfall
+from workers.engines.vllm.engine import (
     AHEAD_FRAMES,
     SCHEDULER_CLS,
     WORKER_CLS,
@@ -497,8 +497,8 @@ def test_a_session_ends_itself_before_max_model_len() -> None:
 
 def test_module_imports_without_vllm_installed() -> None:
     code = ("import sys; sys.modules['vllm'] = None; "
-            "import workers.engines.vllm_voxtral as m; "
-            "import workers.engines.vllm_reanchor.plan, workers.engines.vllm_reanchor.rope; "
+            "import workers.engines.vllm.engine as m; "
+            "import workers.engines.vllm.reanchor.plan, workers.engines.vllm.reanchor.rope; "
             "print(m.VllmVoxtralEngine.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
@@ -509,12 +509,12 @@ def test_module_imports_without_vllm_installed() -> None:
 def test_engines_sharing_a_gpu_start_one_at_a_time(tmp_path: Path) -> None:
     """A second process wanting the same GPU's start lock waits until the first lets go
     (vLLM profiles free memory while it starts); another GPU's lock is free."""
-    from workers.engines.vllm_voxtral import gpu_start_lock
+    from workers.engines.vllm.engine import gpu_start_lock
 
     root, folder = str(Path(__file__).resolve().parent.parent), str(tmp_path)
     code = (f"import os, sys, time; sys.path.insert(0, {root!r}); "
             "os.environ['CUDA_VISIBLE_DEVICES'] = sys.argv[1]; "
-            "from workers.engines.vllm_voxtral import gpu_start_lock; t = time.monotonic(); "
+            "from workers.engines.vllm.engine import gpu_start_lock; t = time.monotonic(); "
             f"ctx = gpu_start_lock({folder!r}); ctx.__enter__(); "
             "print(round(time.monotonic() - t, 2)); ctx.__exit__(None, None, None)")
     import os
@@ -604,13 +604,13 @@ def test_a_kv_cache_short_of_the_rollover_headroom_caps_the_session_slots(
         finally:
             await engine.aclose()
 
-    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm.checks"):
         described, opened = run(go(probe_for(18)))  # type: ignore[misc]
     assert described["engine_session_slots"] == "18" and opened == 18
     told = [r.getMessage() for r in caplog.records if "capped at 18" in r.getMessage()]
     assert len(told) == 1 and "20 session slots (16 streams + headroom)" in told[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm.checks"):
         described, opened = run(go(probe_for(20)))  # type: ignore[misc]
         assert (described["engine_session_slots"], opened) == ("20", 20)
         unknown = probe_for(20)
@@ -651,7 +651,7 @@ def test_health_says_why_sessions_roll_over_when_reanchoring_was_asked_for(
 
 def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_renderer(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """vllm_direct.check_equal_async runs at every start where direct input is wanted: equal,
+    """direct.check_equal_async runs at every start where direct input is wanted: equal,
     sessions build their inputs directly; a mismatch or a check that raises, they go
     through vLLM's renderer and health says why (cut to a status line). The check's report
     is the FAKE backend's script: only the GPU tier runs the real comparison."""
@@ -665,7 +665,7 @@ def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_r
     assert backend.direct_checks == 1
     mismatch = ("prompt 0: audio[0].audio_arrays: (torch.bfloat16, (2160,)) != "
                 "(torch.float32, (2160,))")
-    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm_checks"):
+    with caplog.at_level(logging.WARNING, logger="workers.engines.vllm.checks"):
         differs, _ = start({"prompts": 30, "equal": False,
                             "mismatches": [mismatch, "prompt 0: EngineCoreRequest bytes differ"]})
         raised, _ = start(RuntimeError("renderer: no audio processor " + "x" * 500))
@@ -689,7 +689,7 @@ def test_a_direct_input_check_that_does_not_answer_keeps_the_renderer(
     """A renderer that hangs must not hang the engine's start: past its time the check
     counts as failed. Negative control: a check that answers in time is taken. (The
     FAKE backend's check sleeps; the limit is shortened from 60 s for the test.)"""
-    monkeypatch.setattr("workers.engines.vllm_checks.DIRECT_CHECK_S", 0.2)
+    monkeypatch.setattr("workers.engines.vllm.checks.DIRECT_CHECK_S", 0.2)
     slow = FakeVllmBackend(version="0.26.0", direct_check_s=30.0)
     d = run(started_health(built(slow, tmp_path)), 10)
     assert d["engine_input"] == "renderer"  # type: ignore[index]
@@ -768,7 +768,7 @@ def test_the_asr_actor_exports_failed_rotations_as_a_counter_from_zero() -> None
 def test_a_benchmark_may_measure_past_the_kv_bound_and_is_only_warned() -> None:
     """kv_bound_slots False (bench.voxtral_capacity, which runs levels past the product's
     bound on purpose): the slots stay as asked; the bound itself still refuses (above)."""
-    from workers.engines.vllm_checks import session_slots
+    from workers.engines.vllm.checks import session_slots
 
     assert session_slots(45, 36, 20, bound=False) == 45
     with pytest.raises(EngineError, match="streams_per_actor"):

@@ -1,4 +1,4 @@
-"""The engine core's sync-free spectrogram (workers/engines/vllm_reanchor/melspec.py) on the
+"""The engine core's sync-free spectrogram (workers/engines/vllm/reanchor/melspec.py) on the
 CPU: it gives vLLM 0.26's spectrogram bit for bit and makes its device constant once, not
 once per chunk. vLLM cannot run here, so the encoder is a STAND-IN whose method is vLLM
 0.26's `VoxtralEncoderModel.compute_whisper_melspec` as read (model_executor/models/
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.engines.vllm_reanchor import melspec
+from workers.engines.vllm.reanchor import melspec
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Incremental token-history writes (workers/engines/vllm_reanchor/token_writes.py).
+"""Incremental token-history writes (workers/engines/vllm/reanchor/token_writes.py).
 
 vLLM is not installed here, and its `StagedWriteTensor` needs CUDA (its index buffers are
 pinned host memory mapped into the GPU), so `StandInStagedWriteTensor` below follows
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engines.vllm_reanchor import token_writes
+from workers.engines.vllm.reanchor import token_writes
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Window-trimmed FlashAttention metadata (workers/engines/vllm_reanchor/window_trim.py).
+"""Window-trimmed FlashAttention metadata (workers/engines/vllm/reanchor/window_trim.py).
 
 FA3 and vLLM are not installed here (FA3 needs CUDA), so the trimming is checked against
 `window_trim.reference`, a float32 paged sliding-window attention defined as FA3 defines
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.engines.vllm_reanchor import window_trim as wt
+from workers.engines.vllm.reanchor import window_trim as wt
 
 pytestmark = pytest.mark.unit
 

@@ -63,7 +63,7 @@ def shares(n: int, engines: int) -> list[int]:
 
 
 def engine_options(args: argparse.Namespace, engines: int, streams: int) -> Any:
-    from workers.engines.vllm_options import VllmEngineOptions
+    from workers.engines.vllm.options import VllmEngineOptions
 
     stock = is_stock(args.config)
     extra: dict[str, Any] = ({"reanchor": "off", "direct_input": "off",

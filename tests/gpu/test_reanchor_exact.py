@@ -67,10 +67,10 @@ import psutil  # noqa: E402
 from bench.voxtral_age import aged_prompts, lead_frames  # noqa: E402
 from tests.gpu.voxtral_model import short_window_copy  # noqa: E402
 from tests.speech import AUDIO  # noqa: E402
-from workers.engines.vllm_reanchor.plan import Geometry, due  # noqa: E402
-from workers.engines.vllm_reanchor.scaled_weights import LOAD_FORMAT  # noqa: E402
-from workers.engines.vllm_reanchor.scheduler import FAULT_ARG, PREEMPT_ARG  # noqa: E402
-from workers.engines.vllm_voxtral import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
+from workers.engines.vllm.engine import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
+from workers.engines.vllm.reanchor.plan import Geometry, due  # noqa: E402
+from workers.engines.vllm.reanchor.scaled_weights import LOAD_FORMAT  # noqa: E402
+from workers.engines.vllm.reanchor.scheduler import FAULT_ARG, PREEMPT_ARG  # noqa: E402
 
 CHUNK = 1280
 WINDOW, EVERY = 256, 128

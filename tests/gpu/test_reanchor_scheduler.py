@@ -28,8 +28,8 @@ pytestmark = pytest.mark.gpu
 
 MODEL_DIR = gpu_tier(tools=())  # no GPU work: vLLM's scheduler only
 
-from workers.engines.vllm_reanchor import plan  # noqa: E402
-from workers.engines.vllm_reanchor.scheduler import (  # noqa: E402
+from workers.engines.vllm.reanchor import plan  # noqa: E402
+from workers.engines.vllm.reanchor.scheduler import (  # noqa: E402
     FAILURES_ATTR,
     PREEMPT_ARG,
     REANCHORS_ATTR,
@@ -275,7 +275,7 @@ def test_the_checks_catch_the_old_shift_rule(monkeypatch: pytest.MonkeyPatch) ->
                     mm_hash=f.mm_hash) for f in straddlers]
         return out
 
-    import workers.engines.vllm_reanchor.scheduler as sched_module
+    import workers.engines.vllm.reanchor.scheduler as sched_module
 
     monkeypatch.setattr(sched_module, "apply", old_apply)
     feed, _, _ = short_run(frames=1200)

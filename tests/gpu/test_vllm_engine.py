@@ -36,11 +36,11 @@ import psutil  # noqa: E402
 from tests.gpu.voxtral_model import short_window_copy  # noqa: E402
 from tests.speech import AUDIO  # noqa: E402
 from workers.engines.base import EngineError, SessionOptions  # noqa: E402
-from workers.engines.vllm_reanchor.scaled_weights import LOAD_FORMAT  # noqa: E402
-from workers.engines.vllm_voxtral import (  # noqa: E402
+from workers.engines.vllm.engine import (  # noqa: E402
     VllmEngineOptions,
     VllmVoxtralEngine,
 )
+from workers.engines.vllm.reanchor.scaled_weights import LOAD_FORMAT  # noqa: E402
 from workers.events import SAMPLE_RATE, AudioChunk  # noqa: E402
 from workers.sessions.manager import SessionManager, SessionPolicy  # noqa: E402
 from workers.sessions.watchdog import RutPolicy  # noqa: E402

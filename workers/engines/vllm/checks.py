@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from workers.aio import wait_for
 from workers.engines.base import EngineError
-from workers.engines.mps import mps_advice, mps_refused, mps_unserved
-from workers.engines.vllm_options import (
+from workers.engines.vllm.mps import mps_advice, mps_refused, mps_unserved
+from workers.engines.vllm.options import (
     REANCHOR_TESTED,
     SLACK_POSITIONS,
     StreamGeometry,
@@ -36,7 +36,7 @@ from workers.engines.vllm_options import (
     headroom,
     wants_direct,
 )
-from workers.engines.vllm_reanchor.plan import Geometry
+from workers.engines.vllm.reanchor.plan import Geometry
 
 log = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ internals. Not worth it. The 15 % in msgpack/ZMQ is the payload itself, which mu
 identical.
 
 ## Checking it on the GPU machine (one call)
-`python -m workers.engines.vllm_direct MODEL_DIR` starts one AsyncLLM (dummy weights and
+`python -m workers.engines.vllm.direct MODEL_DIR` starts one AsyncLLM (dummy weights and
 the project's engine kwargs) and runs two checks:
 (a) `check_equal` renders ~40 chunks both ways and compares every field (tensor
     dtype/shape/stride, max abs diff, hashes, placeholders). It also compares the msgpack
@@ -115,7 +115,7 @@ Setup on a bare host: carry `.stage/part01`…`part06` one call at a time
 (`bash .stage/partNN/reassemble.sh stash`). In the last call, run `reassemble.sh`, then
 `python3 -m tests.gpu.voxtral_model /tmp/voxtral`, then, with
 `PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0`,
-`python3 -m workers.engines.vllm_direct /tmp/voxtral --eager` (~35 s after the install).
+`python3 -m workers.engines.vllm.direct /tmp/voxtral --eager` (~35 s after the install).
 """
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ async def _main(model: str, eager: bool) -> dict[str, Any]:
     from vllm.model_executor.model_loader import get_model_cls
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from workers.engines.vllm_options import VllmEngineOptions, engine_kwargs
+    from workers.engines.vllm.options import VllmEngineOptions, engine_kwargs
 
     options = VllmEngineOptions(model=model, max_streams=4, max_model_len=2048,
                                 load_format="dummy", gpu_memory_utilization=0.5,
@@ -471,5 +471,5 @@ async def _main(model: str, eager: bool) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    # python -m workers.engines.vllm_direct MODEL_DIR [--eager]  (eager: no compile wait)
+    # python -m workers.engines.vllm.direct MODEL_DIR [--eager]  (eager: no compile wait)
     print(json.dumps(asyncio.run(_main(sys.argv[1], "--eager" in sys.argv[2:])), indent=1))

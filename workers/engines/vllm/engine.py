@@ -8,7 +8,7 @@ A closed session is aborted (`abort(request_id)`), so no orphaned request
 holds a slot.
 
 What this engine adds to that loop, for sessions that run a whole event:
-- **Re-anchoring** (`workers/engines/vllm_reanchor/`): on vLLM versions where the
+- **Re-anchoring** (`workers/engines/vllm/reanchor/`): on vLLM versions where the
   plugin is known to work (0.26.0) and the engine's own probe agrees, sessions never
   reach `max_model_len`: their positions are lowered at chunk boundaries and their
   cached keys re-rotated. Elsewhere the session manager rolls sessions over before
@@ -25,7 +25,7 @@ What this engine adds to that loop, for sessions that run a whole event:
   `max_num_seqs` has the same headroom, for warm rollovers.
 - **Health.** A dead engine core makes `check_health()` false, and new sessions fail
   at once with a non-retryable error instead of hanging.
-- **Checked at start** (`vllm_checks.py`): every lever the budget counts on (the plugin's
+- **Checked at start** (`checks.py`): every lever the budget counts on (the plugin's
   probe, the KV cache against the slots, CUDA MPS serving the engine core, direct input
   equal to the renderer's) is checked on the engine that will serve; a lever that fails
   is off with its reason in `describe()`, a setting it cannot honour refuses the start.
@@ -56,9 +56,9 @@ from workers.engines.base import (
     SessionOptions,
     SpeechEngine,
 )
-from workers.engines.mps import mps_missing, mps_servers
-from workers.engines.vllm_checks import CheckedBackend, check_start
-from workers.engines.vllm_options import (  # re-exported: the engine's public names
+from workers.engines.vllm.checks import CheckedBackend, check_start
+from workers.engines.vllm.mps import mps_missing, mps_servers
+from workers.engines.vllm.options import (  # re-exported: the engine's public names
     AHEAD_FRAMES,
     DEFAULT_GEOMETRY,
     FRAME,
@@ -77,7 +77,8 @@ from workers.engines.vllm_options import (  # re-exported: the engine's public n
     wants_direct,
     wants_reanchor,
 )
-from workers.engines.vllm_session import FrameMap, VllmVoxtralSession
+from workers.engines.vllm.seams import VllmBackend
+from workers.engines.vllm.session import FrameMap, VllmVoxtralSession
 
 log = logging.getLogger(__name__)
 
@@ -87,30 +88,8 @@ __all__ = ["AHEAD_FRAMES", "DEFAULT_GEOMETRY", "FRAME", "FRAME_S", "SCHEDULER_CL
            "headroom", "max_session_s", "read_geometry", "wants_direct", "wants_reanchor"]
 
 
-class VllmBackend(Protocol):
-    """What a session needs from vLLM (the real one wraps AsyncLLM; tests use a fake)."""
-
-    @property
-    def errored(self) -> bool: ...
-
-    def prompts(self, audio: AsyncIterator[np.ndarray],
-                tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]: ...
-
-    def direct_prompts(self, audio: AsyncIterator[np.ndarray],
-                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]: ...
-
-    def generate(self, prompts: AsyncIterator[Any], request_id: str,
-                 reanchor_every: int | None) -> AsyncIterator[Any]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-    async def reanchor_stats(self) -> dict[str, Any] | None: ...
-
-    def shutdown(self) -> None: ...
-
-
 class StartingBackend(VllmBackend, CheckedBackend, Protocol):
-    """A backend the engine starts itself and checks (vllm_checks.py) before any session."""
+    """A backend the engine starts itself and checks (checks.py) before any session."""
 
 
 @contextlib.contextmanager
@@ -166,7 +145,7 @@ class _AsyncLLMBackend:
             from vllm.config import ProfilerConfig
 
             kwargs["profiler_config"] = ProfilerConfig(**kwargs["profiler_config"])
-        from workers.engines.vllm_reanchor import scaled_weights
+        from workers.engines.vllm.reanchor import scaled_weights
 
         if options.load_format == scaled_weights.LOAD_FORMAT:  # GPU tier, benchmarks
             scaled_weights.register()  # a forked engine core inherits it
@@ -179,7 +158,7 @@ class _AsyncLLMBackend:
         self._sampling = SamplingParams
         self._kind = RequestOutputKind.DELTA
         self.sampling = self._params(None)
-        self._direct: Any = None  # vllm_direct.DirectChunkBuilder, made on first use
+        self._direct: Any = None  # direct.DirectChunkBuilder, made on first use
 
     def _params(self, reanchor_every: int | None) -> Any:
         return self._sampling.from_optional(
@@ -203,18 +182,18 @@ class _AsyncLLMBackend:
 
     async def set_melspec(self, on: bool) -> dict[str, Any]:
         """The encoder's spectrogram without a GPU wait per chunk, or vLLM's
-        (vllm_reanchor/melspec.py)."""
+        (reanchor/melspec.py)."""
         return await self._plugin_switch("babelcast_melspec", on)
 
     async def set_token_writes(self, on: bool) -> dict[str, Any]:
         """A streaming session's token history staged once instead of at every chunk, or
-        vLLM's whole-history writes (vllm_reanchor/token_writes.py)."""
+        vLLM's whole-history writes (reanchor/token_writes.py)."""
         return await self._plugin_switch("babelcast_token_writes", on)
 
     async def set_window_trim(self, on: bool | str) -> dict[str, Any]:
         """FlashAttention handed only the keys ("keys") or KV blocks ("blocks") each
         session's window sees (True: the best its check allows), or vLLM's whole position
-        range (vllm_reanchor/window_trim.py)."""
+        range (reanchor/window_trim.py)."""
         return await self._plugin_switch("babelcast_window_trim", on)
 
     async def _plugin_switch(self, method: str, on: bool | str) -> dict[str, Any]:
@@ -241,20 +220,20 @@ class _AsyncLLMBackend:
 
     def direct_prompts(self, audio: AsyncIterator[np.ndarray],
                        tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
-        """`prompts`, with each chunk's engine input built directly (vllm_direct.py)."""
-        from workers.engines.vllm_direct import direct_prompts
+        """`prompts`, with each chunk's engine input built directly (direct.py)."""
+        from workers.engines.vllm.direct import direct_prompts
 
         return direct_prompts(self.llm, self.model_cls, audio, tokens, self._builder())
 
     async def check_direct(self) -> dict[str, Any]:
         """The builder sessions use against vLLM's renderer, every field and the request
-        bytes, on ~1 s of faint noise (vllm_direct.check_equal_async; "equal")."""
-        from workers.engines.vllm_direct import _noise, check_equal_async
+        bytes, on ~1 s of faint noise (direct.check_equal_async; "equal")."""
+        from workers.engines.vllm.direct import _noise, check_equal_async
 
         return await check_equal_async(self.llm, self.model_cls, _noise(1.0), self._builder())
 
     def _builder(self) -> Any:
-        from workers.engines.vllm_direct import DirectChunkBuilder
+        from workers.engines.vllm.direct import DirectChunkBuilder
 
         if self._direct is None:
             self._direct = DirectChunkBuilder.for_llm(self.llm)
@@ -282,27 +261,27 @@ class VllmVoxtralEngine(SpeechEngine):
         """`backend` (with `reanchoring`, `geometry`): injected by tests (a fake), taken as
         started and checked. Otherwise start() builds one with `backend_factory` (the real
         AsyncLLM backend; a fake in CPU tests of the start checks) from the model folder
-        and the installed vLLM, and checks it (vllm_checks.py)."""
+        and the installed vLLM, and checks it (checks.py)."""
         self.options = options
         self._backend = backend
         self._factory = backend_factory or _AsyncLLMBackend
         self.reanchoring = reanchoring
         self.geometry = geometry or DEFAULT_GEOMETRY
         # injected backends (tests) follow "on"/"off"; a real one decides by version in start()
-        # and by its check there (vllm_checks.py), which says why it renders (`direct_why`)
+        # and by its check there (checks.py), which says why it renders (`direct_why`)
         self.direct_input = options.direct_input == "on"
         self.direct_why: str | None = None
         self.max_sessions = options.max_streams + headroom(options)
         self.sessions_open = 0
         self.aborts = 0
         self.mps: list[str] | None = None
-        """CUDA MPS servers on this GPU node at start (workers/engines/mps.py); None: none."""
+        """CUDA MPS servers on this GPU node at start (mps.py); None: none."""
         self.mps_served = False
         """CUDA MPS serves this engine: its engine core is a client (checked at start)."""
         self.mps_why: str | None = None  # why not, where a daemon answered
         self.slot_refusals = 0
         self.overruns = 0
-        self.request_errors = 0  # requests the engine core ended in error (vllm_session.py)
+        self.request_errors = 0  # requests the engine core ended in error (session.py)
         self.reanchor_probe: dict[str, Any] = {}
         self.mode_why: str | None = None  # why sessions roll over though asked to re-anchor
         self.kv_sessions: int | None = None  # aged sessions the KV cache holds (probe)

@@ -20,13 +20,13 @@ AHEAD_FRAMES = 2
 """Audio handed to the model's buffer beyond what its next prompt needs."""
 SLACK_POSITIONS = 16
 """Positions kept free below max_model_len: a switch lands up to one chunk late."""
-DIRECT_TESTED = ("0.26.0",)  # vllm_direct.check_equal + compare_generate on the H200
+DIRECT_TESTED = ("0.26.0",)  # direct.check_equal + compare_generate on the H200
 REANCHOR_TESTED = ("0.26.0",)
 """Exact vLLM versions the re-anchoring plugin was run on (the H200); "auto" uses it only
 there. Exact, not a prefix: the plugin and the direct builder mirror private code of one
 release (a patch release may move it), so an unproven version rolls over and renders."""
-SCHEDULER_CLS = "workers.engines.vllm_reanchor.scheduler.ReanchorAsyncScheduler"
-WORKER_CLS = "workers.engines.vllm_reanchor.worker.ReanchorWorker"
+SCHEDULER_CLS = "workers.engines.vllm.reanchor.scheduler.ReanchorAsyncScheduler"
+WORKER_CLS = "workers.engines.vllm.reanchor.worker.ReanchorWorker"
 REANCHOR_ARG = "babelcast_reanchor_every"
 STATS_EVERY_S = 2.0
 KV_TRACE_ENV = "BABELCAST_KV_TRACE"
@@ -46,7 +46,7 @@ class VllmEngineOptions:
     load_format: str = "mistral"
     """"mistral" for real weights; for random weights (GPU tier, benchmarks) "dummy"
     (vLLM's: every weight uniform in ±1e-3, so attention scores spread by ~1e-9 and ignore
-    the keys) or "babelcast_scaled" (workers/engines/vllm_reanchor/scaled_weights.py: each
+    the keys) or "babelcast_scaled" (workers/engines/vllm/reanchor/scaled_weights.py: each
     layer at a trained checkpoint's scale, so attention, and a wrong key, matter)."""
     dtype: str = "bfloat16"
     enforce_eager: bool = False
@@ -66,20 +66,20 @@ class VllmEngineOptions:
     rollover_headroom: int | None = None
     """Sessions beyond max_streams (warm rollovers, rut restarts); None: a quarter, ≥ 1."""
     direct_input: Literal["auto", "on", "off"] = "auto"
-    """Build each 80 ms chunk's engine input directly (workers/engines/vllm_direct.py)
+    """Build each 80 ms chunk's engine input directly (workers/engines/vllm/direct.py)
     instead of through vLLM's renderer and HF processor. auto: on the vLLM versions
     where the two were checked equal byte for byte (0.26.0 exactly). Wherever it is on, the
-    engine checks the two equal again at every start (vllm_checks.py) and renders if not."""
+    engine checks the two equal again at every start (checks.py) and renders if not."""
     sync_free_melspec: bool = True
     """The encoder's spectrogram without a wait on the GPU per 80 ms chunk (engine core,
-    vllm_reanchor/melspec.py; needs the re-anchoring plugin worker; switched on only where
+    reanchor/melspec.py; needs the re-anchoring plugin worker; switched on only where
     a check on the GPU matches vLLM's method bit for bit). On the H200, two engines,
     production feed, one run: 128 new sessions 50 % real time without it, 100 % with it;
     48 sessions aged 30 min 0 % without, 100 % with (bench.voxtral_capacity `+melspec`,
     README)."""
     incremental_token_writes: bool = True
     """Stage a streaming session's token history on the GPU once instead of again at every
-    chunk (engine core, vllm_reanchor/token_writes.py; needs the plugin worker; switched on
+    chunk (engine core, reanchor/token_writes.py; needs the plugin worker; switched on
     only where a check on the GPU leaves vLLM's rows as vLLM's writes would). On the H200,
     two engines, fp8 KV, sync-free spectrogram, production feed, one run: 56 sessions aged
     30 min 0 % real time without it, 100 % with it, and 72 aged 100 % with it; vLLM's
@@ -87,7 +87,7 @@ class VllmEngineOptions:
     `+tokens`, README)."""
     window_trim: bool = True
     """Hand FlashAttention only the KV blocks each session's sliding window can see
-    (engine core, vllm_reanchor/window_trim.py; needs the plugin worker; switched on only
+    (engine core, reanchor/window_trim.py; needs the plugin worker; switched on only
     where a check on the GPU finds the trimmed call as accurate as vLLM's). vLLM 0.26 hands
     it an aged session's whole position range. On the H200, fp8 KV: an aged decoder layer
     1.13-1.24 × faster, the encoder's 1.12-1.14 × (bench.fa_kernels --trim); two engines,
@@ -100,13 +100,13 @@ class VllmEngineOptions:
     cuda_mps: bool = False
     """The operator says the GPU node runs CUDA MPS (`engine.vllm.cuda_mps`): the engine
     refuses to start where MPS does not serve it (its budget assumed MPS): no daemon
-    answers, or its engine core is not a client of the daemon's server (vllm_checks.py)."""
+    answers, or its engine core is not a client of the daemon's server (checks.py)."""
     engines_per_gpu: int = 1
     """Engines sharing this engine's GPU (`engine.vllm.engines_per_gpu`): with more than
-    one and no CUDA MPS the engine says what that costs (workers/engines/mps.py)."""
+    one and no CUDA MPS the engine says what that costs (workers/engines/vllm/mps.py)."""
     kv_bound_slots: bool = True
     """The engine refuses to start when its KV cache holds fewer aged sessions than its
-    streams, and caps its session slots there (vllm_checks.py). False for benchmarks only,
+    streams, and caps its session slots there (checks.py). False for benchmarks only,
     which measure levels past that bound on purpose: they are then warned, not refused."""
     logprobs_mode: str | None = None
     """GPU tier and benchmarks only: vLLM's `logprobs_mode` ("raw_logits": a request's

@@ -1,6 +1,6 @@
 """One Voxtral session on the `vllm` engine: audio to the model's realtime buffer at the
 model's pace, each output's tokens fed back, text stamped by output index (see
-`vllm_voxtral` for why)."""
+`engine` for why)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from workers.engines.base import END, EngineError, RecognizeSession, SessionInput, SessionOptions
-from workers.engines.vllm_options import AHEAD_FRAMES, FRAME, FRAME_S, SLACK_POSITIONS
+from workers.engines.vllm.options import AHEAD_FRAMES, FRAME, FRAME_S, SLACK_POSITIONS
+from workers.engines.vllm.seams import SessionHost
 from workers.events import SAMPLE_RATE, AudioChunk, TranscriptDelta, Word
-
-if TYPE_CHECKING:
-    from workers.engines.vllm_voxtral import VllmVoxtralEngine
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ class FrameMap:
 
 
 class VllmVoxtralSession(RecognizeSession):
-    def __init__(self, engine: VllmVoxtralEngine, options: SessionOptions) -> None:
+    def __init__(self, engine: SessionHost, options: SessionOptions) -> None:
         super().__init__(options)
         self.engine = engine
         self.request_id = f"bc-{options.stream_id}-{uuid.uuid4().hex[:12]}"

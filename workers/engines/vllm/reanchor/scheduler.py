@@ -47,8 +47,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from workers.engines.vllm_options import KV_TRACE_ENV as TRACE_ENV
-from workers.engines.vllm_reanchor.plan import (
+from workers.engines.vllm.options import KV_TRACE_ENV as TRACE_ENV
+from workers.engines.vllm.reanchor.plan import (
     CannotReanchor,
     Geometry,
     Reanchor,

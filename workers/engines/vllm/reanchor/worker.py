@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
-from workers.engines.vllm_reanchor import melspec, scaled_weights, token_writes, window_trim
-from workers.engines.vllm_reanchor.plan import Geometry, Reanchor
-from workers.engines.vllm_reanchor.rope import RopeStyle, key_storage, unrotate_blocks_
-from workers.engines.vllm_reanchor.scheduler import (
+from workers.engines.vllm.reanchor import melspec, scaled_weights, token_writes, window_trim
+from workers.engines.vllm.reanchor.plan import Geometry, Reanchor
+from workers.engines.vllm.reanchor.rope import RopeStyle, key_storage, unrotate_blocks_
+from workers.engines.vllm.reanchor.scheduler import (
     FAILURES_ATTR,
     REANCHORS_ATTR,
     ROTATION_FAILURES,
@@ -160,7 +160,7 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                                        ly.style.position_scale) for ly in layers}))
         except Exception as exc:
             out["geometry_error"] = f"{type(exc).__name__}: {exc}"
-        try:  # the engine warns when its sessions, aged, would not fit (vllm_voxtral.py)
+        try:  # the engine warns when its sessions, aged, would not fit (vllm/engine.py)
             out["kv_blocks"] = int(self.model_runner.kv_cache_config.num_blocks)
         except Exception as exc:
             out["kv_blocks_error"] = f"{type(exc).__name__}: {exc}"
