@@ -3,7 +3,7 @@
 The page lists every key of the models `parse_event` validates, with type, default, example
 and description; it fails here when a model changes and the page was not rendered again
 (the negative controls change a model on purpose). Each example is written into a real
-event file and must validate.
+event file and must validate, and so must the event files the README and the page show.
 """
 
 from __future__ import annotations
@@ -207,3 +207,11 @@ def test_the_fuller_event_file_on_the_page_validates() -> None:
     text = _yaml_under(config_doc.PAGE, "## A fuller event file")
     config = parse_event(text, filename="configuration.md", base_dir=ROOT)
     assert config.auth is not None and config.outputs.youtube
+
+
+def test_the_readme_smallest_real_event_validates() -> None:
+    text = _yaml_under(ROOT / "README.md", "## The smallest real event")
+    config = parse_event(text, filename="README.md", base_dir=ROOT)
+    stream = config.streams[0]
+    assert config.auth is not None and stream.key_env and stream.targets == ["fr"]
+    assert config.gateway.host == "0.0.0.0"  # tokens are needed: the file must have them
