@@ -155,6 +155,14 @@ async def test_an_engine_core_killed_on_the_gpu_hands_its_stream_to_the_spare_wi
 
         await until(some, 120, "captions from the GPU actor")
         REPORT["first_captions_s"] = round(time.monotonic() - t0, 1)
+
+        async def settled() -> bool:
+            # a final before the fault, so the spare resumes from a cursor (the first
+            # H200 run killed 3.7 s in, before any final: it replayed from the start)
+            segs = await bus.captions_after("hall", "src", 0, count=100_000)
+            return fed[0] >= 15 * SAMPLE_RATE and any(s.is_final for s in segs)
+
+        await until(settled, 120, "a final and 15 s of speech before the fault")
         await asyncio.sleep(1.0)  # the supervisor has seen both leases
 
         core = engine_core_of(states[owner]["pid"])
@@ -200,15 +208,16 @@ async def test_an_engine_core_killed_on_the_gpu_hands_its_stream_to_the_spare_wi
         if supervisor is not None:
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
+        # read before stop(), which forgets the actors (the first H200 run read after)
+        REPORT["lease_lapses"] = {a: metrics.LEASE_LAPSES.labels(actor=a)._value.get()
+                                  for a in runtime.asr}
+        REPORT["engine_replacements"] = {
+            a: metrics.ENGINE_REPLACEMENTS.labels(actor=a)._value.get() for a in runtime.asr}
         await runtime.stop()
         runtime.stop_services()
         segs = await bus.captions_after("hall", "src", 0, count=100_000)
         await redis.aclose()
         REPORT["captions"] = len(segs)
-        REPORT["lease_lapses"] = {a: metrics.LEASE_LAPSES.labels(actor=a)._value.get()
-                                  for a in runtime.asr}
-        REPORT["engine_replacements"] = {
-            a: metrics.ENGINE_REPLACEMENTS.labels(actor=a)._value.get() for a in runtime.asr}
         if killed_epoch:
             # from the kill to the end of the feed: every gap between captions
             after = sorted(s.emit_time for s in segs if killed_epoch < s.emit_time < ended)
