@@ -235,3 +235,42 @@ def test_the_strict_bench_parses_its_device_command() -> None:
         "kv_cache_memory_bytes"] == 30 * 2**30
     assert "kv_cache_memory_bytes" not in engine_kwargs(opts, {"kv_cache_memory_bytes"})
     assert shutil.which("python3")
+
+
+class _Stuck:
+    """A front end whose stop never answers (an engine that hangs on shutdown), holding
+    a real child process."""
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self.proc = multiprocessing.get_context("spawn").Process(target=_sleep_long)
+        self.proc.start()
+
+    async def stop(self) -> None:
+        await asyncio.sleep(3600)
+
+
+def _sleep_long() -> None:
+    import time
+
+    time.sleep(3600)
+
+
+async def test_engines_stop_side_by_side_and_a_hung_one_is_killed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 2026-12-04 device call was killed while three engines stopped one after the
+    other, before it wrote its result: stops now run side by side, each bounded."""
+    import time
+
+    from bench.capacity import strict
+
+    monkeypatch.setattr(strict, "STOP_S", 0.5)
+    fronts = {1: _Stuck(), 2: _Stuck(), 3: _Stuck()}
+    t0 = time.monotonic()
+    await strict.stop_all(fronts)
+    took = time.monotonic() - t0
+    for fe in fronts.values():
+        fe.proc.join(5)
+        assert not fe.proc.is_alive(), "a hung front end's process is killed"
+    assert took < 3 * 0.5, f"stops ran one after another ({took:.1f} s)"

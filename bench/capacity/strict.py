@@ -52,6 +52,12 @@ from bench.capacity import results, rule  # noqa: E402
 KIND = "capacity_strict"
 
 
+def engines_of_config(config: str) -> int:
+    from bench.voxtral_capacity import engines_of
+
+    return int(engines_of(config))
+
+
 def is_stock(config: str) -> bool:
     from bench.voxtral_capacity import base_of
 
@@ -117,12 +123,31 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
     }
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+STOP_S = 20.0
+"""Each engine's stop is bounded by this, all side by side: the 2026-12-04 run's three
+engines stopped one after another (up to 90 s each) past the call's limit, and the call
+was killed before it wrote a result."""
+
+
+async def stop_all(fronts: dict[int, Any]) -> None:
+    async def one(fe: Any) -> None:
+        try:
+            await asyncio.wait_for(fe.stop(), STOP_S)
+        except (TimeoutError, Exception):
+            proc = getattr(fe, "proc", None)
+            if proc is not None and proc.is_alive():
+                proc.kill()
+
+    await asyncio.gather(*(one(fe) for fe in fronts.values()))
+
+
+async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
+    """The stamped result; written to `--out` before the engines are stopped, so a call
+    that runs out of time while they stop keeps its measurement."""
     from bench.voxtral_capacity import (
         FrontEnd,
         _gpu_util,
         engines_of,
-        host_fingerprint,
         levers_of,
     )
 
@@ -174,13 +199,27 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             for f in range(1, engines + 1)), return_exceptions=True)
         stop.set()
         await util_task
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        if failed:
+            raise RuntimeError("; ".join(f"{e}" for e in failed))
+        result = results.stamp(summary(args, answers, util, stamps, started, t_start), command)
+        if args.out:
+            results.save(result, args.out)
+        return result
     finally:
-        for fe in fronts.values():
-            await fe.stop()
-    failed = [a for a in answers if isinstance(a, BaseException)]
-    if failed:
-        raise RuntimeError("; ".join(f"{e}" for e in failed))
+        await stop_all(fronts)
+
+
+def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
+            stamps: list[float], started: dict[int, Any], t_start: float) -> dict[str, Any]:
+    from bench.voxtral_capacity import host_fingerprint, levers_of
+
+    config, n = args.config, args.streams
+    levers = levers_of(config)
+    engines = engines_of_config(config)
+    stock = is_stock(config)
     ok = [a for a in answers if isinstance(a, dict)]
+    age_frames = 0 if stock else int(args.age_min * 60 / 0.08) // 768 * 768
     aged_s = max((a.get("aged_in_s") or 0.0) for a in ok)
     t_measured = min(stamps) + aged_s + args.warm if stamps else 0.0
     util = [u for u, t in zip(util, stamps, strict=True) if t >= t_measured] or util
@@ -248,10 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     command = "python -m bench.capacity.strict " + shlex.join(
         sys.argv[1:] if argv is None else argv)
-    result = results.stamp(asyncio.run(main_async(args)), command)
-    if args.out:
-        results.save(result, args.out)
-    print(json.dumps(result))
+    print(json.dumps(asyncio.run(main_async(args, command))))
     return 0
 
 
