@@ -78,8 +78,9 @@ class _TimedSession(EmbeddedWhisperSession):
         self._log = log
 
     async def _decode(self, start: int, beam: int, end: int | None = None, *,
-                      final: bool = False) -> tuple[list[Word], list[float]]:
-        out = await super()._decode(start, beam, end, final=final)
+                      final: bool = False, prompt: str | None = None,
+                      ) -> tuple[list[Word], list[float]]:
+        out = await super()._decode(start, beam, end, final=final, prompt=prompt)
         self._log.append(Decode(self.options.stream_id, self._buf_end_s, time.time()))
         return out
 

@@ -48,8 +48,9 @@ class LoggedEngine(EmbeddedWhisperEngine):
         self.sessions: list[EmbeddedWhisperSession] = []
 
     def _decode_sync(self, audio: Any, offset_s: float, language: str | None, beam: int,
-                     min_encode_frames: int = 1000) -> tuple[list[Word], list[float], str | None]:
-        out = super()._decode_sync(audio, offset_s, language, beam, min_encode_frames)
+                     min_encode_frames: int = 1000, prompt: str | None = None,
+                     ) -> tuple[list[Word], list[float], str | None]:
+        out = super()._decode_sync(audio, offset_s, language, beam, min_encode_frames, prompt)
         self.decodes.append((beam, tuple(out[0])))
         self.encode_frames.append((beam, min_encode_frames))
         return out

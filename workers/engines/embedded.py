@@ -22,6 +22,12 @@ Streaming policy (per session):
   - `agreement`: the agreed words are committed as they settle (lower latency on long
     utterances, more errors); `edge_s` / `min_word_p` keep words that end near the
     window's edge or that Whisper is unsure of out of a commit until a later step.
+- Context for the final pass (issue 37, each off by default and a `bench.accuracy`
+  option): `final_prompt_words` prompts it with the words committed before its audio;
+  `final_context_s` lets it read the (already final) audio before the utterance and drops
+  what it hears there; `unfinished_pause_s` lets a short pause end an utterance only where
+  the newest interim ends a sentence; `final_beam_max_busy` uses `final_beam_size` only
+  while the decode thread has had headroom (`BusyLog`).
 
 All sessions of one engine share one decode thread (FIFO): on a 2-core machine
 two concurrent decodes only slow each other down.
@@ -33,9 +39,10 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -54,6 +61,9 @@ from workers.engines.models import load_whisper, model_info
 from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
+if TYPE_CHECKING:
+    from workers.engines.calibrate import Calibration
+
 MIN_ENCODE_FRAMES = 1000  # 10 s of mel frames; shorter windows cost accuracy
 VAD_INLINE_SAMPLES = SAMPLE_RATE // 2
 # `language: auto`: a detection counts only at this probability. Whisper base on 0.5–2 s of
@@ -61,6 +71,12 @@ VAD_INLINE_SAMPLES = SAMPLE_RATE // 2
 # was right (tests/test_languages.py's prompts, 24 windows)
 LANGUAGE_MIN_P = 0.5
 MAX_TOKENS_PER_S = 8.0  # fast speech is ~4-5 tokens/s (timestamps included)
+BUSY_WINDOW_S = 20.0
+"""Headroom for beam search is judged over this much wall time: long enough to hold
+several utterances of every stream (a lone final must not flip the choice), short
+enough to follow a stream that joins."""
+SAID_KEEP = 224
+"""Committed words a session remembers for prompts (Whisper's prompt holds 224 tokens)."""
 
 
 FinalPass = Literal["utterance", "agreement"]
@@ -87,6 +103,25 @@ class EmbeddedEngineOptions:
     silence): Whisper's own 30 s. Interims pad to 10 s (2.4x less CPU); for the final that
     shortcut cost words ('ill sposed' for 'ill disposed' from 4 of 5 start points of the
     same sentence on the reference set, 1 of 5 with 30 s, measured)."""
+    final_prompt_words: int = 0
+    """Utterance mode: the final pass is prompted with up to this many words the session
+    committed before the audio it decodes (Whisper's `initial_prompt`, as its own long-form
+    decoding conditions each window on the text before it). 0: no prompt."""
+    final_context_s: float = 0.0
+    """Utterance mode: the final pass also reads up to this many seconds of the audio
+    before the utterance (already final); the words it finds there are dropped by their
+    times and by the seam's n-gram check. 0: the utterance alone."""
+    unfinished_pause_s: float | None = None
+    """Utterance mode: a pause of `pause_s` ends an utterance only when its newest
+    hypothesis ends a sentence; one that does not runs on until a pause this long (or a
+    sentence end inside it is finalised as a part). None: every `pause_s` pause ends it."""
+    final_beam_max_busy: float | None = None
+    """The final pass uses `final_beam_size` only while the engine's decode thread was
+    busy at most this fraction of the last `BUSY_WINDOW_S` (headroom, measured as it
+    runs), else greedy. None: always `final_beam_size`."""
+    calibrate: bool = False
+    """At start, measure (or read from the host's cache) how many streams this engine
+    keeps in real time here (`workers.engines.calibrate`); `describe()` reports it."""
 
 
 @dataclass(slots=True)
@@ -94,6 +129,28 @@ class DecodeStats:
     calls: int = 0
     audio_s: float = 0.0
     busy_s: float = 0.0
+    final_beam_calls: int = 0
+    """Final passes decoded with `final_beam_size` > 1."""
+    final_greedy_calls: int = 0
+    """Final passes decoded greedily (beam off, or no headroom for it)."""
+
+
+class BusyLog:
+    """How busy the decode thread was over the last `window_s` of (monotonic) time."""
+
+    def __init__(self, window_s: float = BUSY_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float]] = deque()  # (start, end)
+
+    def add(self, start: float, end: float) -> None:
+        self._spans.append((start, end))
+
+    def fraction(self, now: float) -> float:
+        since = now - self.window_s
+        while self._spans and self._spans[0][1] <= since:
+            self._spans.popleft()
+        busy = sum(end - max(start, since) for start, end in self._spans)
+        return min(1.0, busy / self.window_s)
 
 
 class DecodeGate:
@@ -141,6 +198,8 @@ class EmbeddedWhisperEngine(SpeechEngine):
         self._pool: ThreadPoolExecutor | None = None
         self._stats = DecodeStats()
         self._gate = DecodeGate()
+        self._busy = BusyLog()
+        self.calibration: Calibration | None = None
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -158,13 +217,37 @@ class EmbeddedWhisperEngine(SpeechEngine):
             self._pool,
             lambda: load_whisper(self.options.model, cpu_threads=self.options.cpu_threads),
         )
+        if self.options.calibrate:
+            from workers.engines.calibrate import calibration
+
+            self.calibration = await calibration(self)
+
+    def describe(self) -> dict[str, str]:
+        return self.calibration.status() if self.calibration is not None else {}
 
     def stats(self) -> dict[str, float]:
         return {
             "decode_calls": self._stats.calls,
             "decode_audio_s": round(self._stats.audio_s, 3),
             "decode_busy_s": round(self._stats.busy_s, 3),
+            "decode_busy_fraction": round(self._busy.fraction(time.monotonic()), 3),
+            "final_beam_calls": self._stats.final_beam_calls,
+            "final_greedy_calls": self._stats.final_greedy_calls,
         }
+
+    def final_beam(self) -> int:
+        """The beam of the next final pass: `final_beam_size` while the decode thread has
+        the headroom `final_beam_max_busy` asks for, else greedy."""
+        o = self.options
+        beam = o.final_beam_size
+        if beam > 1 and o.final_beam_max_busy is not None and (
+                self._busy.fraction(time.monotonic()) > o.final_beam_max_busy):
+            beam = 1
+        if beam > 1:
+            self._stats.final_beam_calls += 1
+        else:
+            self._stats.final_greedy_calls += 1
+        return beam
 
     async def aclose(self) -> None:
         if self._pool is not None:
@@ -187,10 +270,11 @@ class EmbeddedWhisperEngine(SpeechEngine):
 
     async def decode(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int,
-        final: bool = False,
+        final: bool = False, prompt: str | None = None,
     ) -> tuple[list[Word], list[float], str | None]:
         """Words (absolute times), each word's probability, and the detected language.
-        `final`: a final pass (Whisper's `final_encode_s` input, ahead of interims)."""
+        `final`: a final pass (Whisper's `final_encode_s` input, ahead of interims).
+        `prompt`: text said before the audio (Whisper's `initial_prompt`)."""
         if self._pool is None:
             raise EngineError("engine closed")
         loop = asyncio.get_running_loop()
@@ -201,15 +285,21 @@ class EmbeddedWhisperEngine(SpeechEngine):
             pool = self._pool
             if pool is None:
                 raise EngineError("engine closed")
-            return await loop.run_in_executor(
-                pool, self._decode_sync, audio, offset_s, language, beam, min_encode_frames
-            )
+            started = time.monotonic()
+            try:
+                return await loop.run_in_executor(
+                    pool, self._decode_sync, audio, offset_s, language, beam, min_encode_frames,
+                    prompt,
+                )
+            finally:
+                # Kept on the loop's thread: `final_beam()` reads the log here too.
+                self._busy.add(started, time.monotonic())
         finally:
             self._gate.release()
 
     def _decode_sync(
         self, audio: np.ndarray, offset_s: float, language: str | None, beam: int,
-        min_encode_frames: int = MIN_ENCODE_FRAMES,
+        min_encode_frames: int = MIN_ENCODE_FRAMES, prompt: str | None = None,
     ) -> tuple[list[Word], list[float], str | None]:
         t0 = time.perf_counter()
         # Interims pad to ≥ 10 s instead of Whisper's 30 s: 2.4x less CPU per call (see
@@ -223,8 +313,10 @@ class EmbeddedWhisperEngine(SpeechEngine):
             word_timestamps=True,
             condition_on_previous_text=False,
             vad_filter=False,
-            # No initial prompt from earlier text: with windows this short Whisper
-            # base tends to repeat the prompt (WER 30 % vs 3 % without, measured).
+            # Interims have no prompt: with windows this short Whisper base tends to
+            # repeat it (WER 30 % vs 3 % without, measured); a final pass may have one
+            # (`final_prompt_words`).
+            initial_prompt=prompt or None,
             # No temperature fallback and a token cap: a window that sends the
             # decoder into a repetition loop must cost one bounded call, not six
             # long ones (seen: 26 s calls that stalled every stream of the engine).
@@ -262,8 +354,17 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._final = LocalAgreement() if self.opts.final_pass == "utterance" else self._agree
         self._shown: list[Word] = []
         self._part_tried_s = 0.0  # the last sentence end a part-final was tried for
+        self._said: list[Word] = []  # committed words, newest last (final prompts)
+        self._hyp: list[Word] = []  # the newest interim hypothesis
+        self._hyp_pos = 0  # stream sample position where the audio it read ended
+        self._speech_end = 0  # stream sample position where the last speech frame ended
         self._buf = np.zeros(0, dtype=np.float32)
         self._buf_pos = 0  # stream sample position of _buf[0]
+        # The audio just before _buf (already final), for `final_context_s`.
+        self._ctx = np.zeros(0, dtype=np.float32)
+        self._ctx_max = round(self.opts.final_context_s * SAMPLE_RATE)
+        self._busy = False  # between taking a batch of inputs and waiting for the next
+        self._went_idle = asyncio.Event()
         self._win_pos = 0  # where interim decodes start (≥ _buf_pos)
         self._expected: int | None = None
         self._had_speech = False
@@ -276,6 +377,18 @@ class EmbeddedWhisperSession(RecognizeSession):
     def _utterance_mode(self) -> bool:
         return self.opts.final_pass == "utterance"
 
+    @property
+    def idle(self) -> bool:
+        """Every input pushed so far has been decoded."""
+        return not self._busy and self._in.empty()
+
+    async def decoded(self) -> None:
+        """Until every input pushed so far has been decoded (a lock-step feed waits for
+        it: what the session does then does not depend on how busy the host is)."""
+        while not self.idle:
+            self._went_idle.clear()
+            await self._went_idle.wait()
+
     # ---- buffer ----------------------------------------------------------
     @property
     def _buf_end_s(self) -> float:
@@ -284,6 +397,8 @@ class EmbeddedWhisperSession(RecognizeSession):
     def _reset_at(self, pos: int) -> None:
         self._vad_pending = []
         self._buf = np.zeros(0, dtype=np.float32)
+        self._ctx = np.zeros(0, dtype=np.float32)
+        self._hyp = []
         self._buf_pos = self._win_pos = pos
         if self._vad is not None:
             self._vad.reset()
@@ -296,6 +411,8 @@ class EmbeddedWhisperSession(RecognizeSession):
     def _append(self, chunk: AudioChunk) -> None:
         audio = np.frombuffer(chunk.pcm, dtype="<i2").astype(np.float32) / 32768.0
         if not self._buf.size:
+            if chunk.pos != self._buf_pos:
+                self._ctx = np.zeros(0, dtype=np.float32)  # not the audio before this
             self._buf_pos = self._win_pos = chunk.pos
         if self.heard_until is None:
             self._heard(chunk.pos)  # nothing heard yet: speech from here on is unheard
@@ -321,10 +438,30 @@ class EmbeddedWhisperSession(RecognizeSession):
                                       - int(self.opts.lead_in_s * SAMPLE_RATE))
                 self._had_speech = True
                 self._silence_run = 0
+                self._speech_end = frame_end
             else:
                 self._silence_run += FRAME_SAMPLES
-                if self._had_speech and self._silence_run >= pause:
+                if (self._had_speech and self._silence_run >= pause
+                        and await self._pause_ends_utterance()):
                     await self._finish_utterance(upto=frame_end)
+
+    async def _pause_ends_utterance(self) -> bool:
+        """Whether a pause of `pause_s` (or longer) ends the utterance: always, unless
+        `unfinished_pause_s` asks for a sentence end first. The newest interim must have
+        read the speech up to the pause; if it has not, it is decoded now (the decode the
+        next step would have made)."""
+        wait = self.opts.unfinished_pause_s
+        if wait is None or not self._utterance_mode or (
+                self._silence_run >= wait * SAMPLE_RATE):
+            return True
+        if self._hyp_pos < self._speech_end:
+            await self._update()
+            if not self._had_speech:  # the update closed the utterance itself
+                return False
+        open_words = self._final.fresh(self._hyp)
+        # Whisper writes "..." where it hears speech trail off, not where a sentence ends.
+        return not open_words or (ends_sentence(open_words[-1].text)
+                                  and not open_words[-1].text.rstrip().endswith(("..", "…")))
 
     async def _vad_frames(self) -> list[tuple[bool, int]]:
         """(speech, stream position where the frame ends) for the audio appended since the
@@ -361,9 +498,11 @@ class EmbeddedWhisperSession(RecognizeSession):
         return flags
 
     def _drop_before(self, pos: int) -> None:
-        """Forget the audio before stream sample `pos`."""
+        """Forget the audio before stream sample `pos` (but the last `final_context_s`)."""
         cut = min(max(0, pos - self._buf_pos), self._buf.size)
         if cut:
+            if self._ctx_max:
+                self._ctx = np.concatenate([self._ctx, self._buf[:cut]])[-self._ctx_max:]
             self._buf = self._buf[cut:]
             self._buf_pos += cut
         self._win_pos = max(self._win_pos, self._buf_pos)
@@ -379,18 +518,26 @@ class EmbeddedWhisperSession(RecognizeSession):
 
     # ---- decoding ----------------------------------------------------------
     async def _decode(self, start: int, beam: int, end: int | None = None, *,
-                      final: bool = False) -> tuple[list[Word], list[float]]:
-        """Decode the buffer from stream sample `start` to `end` (None: its end)."""
-        audio = self._buf[start - self._buf_pos : None if end is None else end - self._buf_pos]
+                      final: bool = False, prompt: str | None = None,
+                      ) -> tuple[list[Word], list[float]]:
+        """Decode the buffer from stream sample `start` to `end` (None: its end); a
+        `start` before the buffer reads the kept context audio too."""
+        audio = self._buf[max(0, start - self._buf_pos)
+                          : None if end is None else end - self._buf_pos]
+        if start < self._buf_pos:
+            lead = self._ctx[self._ctx.size - (self._buf_pos - start):]
+            audio = np.concatenate([lead, audio])
         # `auto`: a final detects the language afresh over its whole utterance; interims,
         # a second or two of audio, keep the language already detected (alone they guess)
         language = self._language if final else self._lang
         words, probs, lang = await self.engine.decode(
-            audio.copy(), start / SAMPLE_RATE, language, beam, final
+            audio.copy(), start / SAMPLE_RATE, language, beam, final, prompt
         )
         self._heard(start + audio.size)
         self._new_since_decode = 0
         if self.options.language == "auto" and lang:
+            if lang != self._detected:
+                self._said = []  # a prompt in another language would pull it back
             self._detected = lang
         return words, probs
 
@@ -411,6 +558,7 @@ class EmbeddedWhisperSession(RecognizeSession):
 
     async def _update(self) -> None:
         words, probs = await self._decode(self._win_pos, self.opts.beam_size)
+        self._hyp, self._hyp_pos = words, self._buf_pos + self._buf.size
         guarded = self._guarded(words, probs)
         agreed = self._agree.insert(guarded)
         tentative = [*self._agree.tentative, *words[len(guarded):]]
@@ -444,12 +592,27 @@ class EmbeddedWhisperSession(RecognizeSession):
             await self._final_part(force=False)
 
     async def _final_decode(self, end: int | None) -> list[Word]:
-        """The final pass: the whole utterance up to `end`. (Adding the few seconds of audio
-        before it, as an offline window has, made Whisper base invent a sentence at the
-        seam: 18 % WER on the reference set instead of 2.8 %, measured.)"""
-        words, _ = await self._decode(self._buf_pos, self.opts.final_beam_size, end,
-                                      final=True)
+        """The final pass: the whole utterance up to `end`, with `final_context_s` of the
+        audio before it and a prompt of `final_prompt_words` said before that. (Adding a
+        few seconds of audio before it without a prompt made Whisper base invent a
+        sentence at the seam: 18 % WER on the reference set instead of 2.8 %, measured.)"""
+        start = self._buf_pos - min(self._ctx.size, self._ctx_max)
+        words, _ = await self._decode(start, self.engine.final_beam(), end, final=True,
+                                      prompt=self._prompt(start / SAMPLE_RATE))
         return words
+
+    def _prompt(self, before_s: float) -> str | None:
+        """Up to `final_prompt_words` committed words that end before `before_s`."""
+        n = self.opts.final_prompt_words
+        if not n:
+            return None
+        said = [w for w in self._said if w.end_s <= before_s + 0.05]
+        return "".join(w.text for w in said[-n:]).strip() or None
+
+    def _committed(self, words: list[Word]) -> None:
+        if self.opts.final_prompt_words:
+            self._said.extend(words)
+            del self._said[: -SAID_KEEP]
 
     async def _final_part(self, *, force: bool) -> None:
         """Utterance mode, speech without a pause: finalise the words of a whole-utterance
@@ -466,6 +629,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         if not safe:
             return
         self._final.commit(safe)
+        self._committed(safe)
         self._agree.follow(self._final)
         self._shown = []
         await self._emit(TranscriptDelta(committed=tuple(safe),
@@ -481,6 +645,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         committed: list[Word] = []
         if self._had_speech and end > self._buf_pos:
             committed = self._final.commit_all(await self._final_decode(end))
+            self._committed(committed)
             if self._utterance_mode:
                 self._agree.follow(self._final)
         else:
@@ -504,7 +669,11 @@ class EmbeddedWhisperSession(RecognizeSession):
         step = int(self.opts.step_s * SAMPLE_RATE)
         lead = int(self.opts.lead_in_s * SAMPLE_RATE)
         while True:
+            self._busy = False
+            if inputs.empty():
+                self._went_idle.set()
             batch = [await inputs.get()]
+            self._busy = True
             while not inputs.empty():
                 batch.append(inputs.get_nowait())
             ended = False
