@@ -58,15 +58,31 @@ def _short_window_model_class() -> Any:
         encoder takes shorter inputs, and on a CPU the 30 s encode dominates a call
         (0.50 s vs 0.09 s for 10 s on 2 cores). `encode_frames`, set by the caller
         before `transcribe()`, trims the zero padding. One decode thread per model
-        makes the attribute safe.
+        makes the attribute safe (and the one-call memo below).
         """
 
         encode_frames: int | None = None
+        _last: tuple[Any, Any] | None = None  # (features, encoder output) of the last call
 
         def encode(self, features: Any) -> Any:
+            import numpy as np
+
             if self.encode_frames is not None and features.shape[-1] > self.encode_frames:
                 features = features[..., : self.encode_frames]
-            return super().encode(features)
+            # With no language given, transcribe() encodes the window once to detect it
+            # and again to decode it (faster-whisper 1.2.1): every final pass of a
+            # `language: auto` stream paid two encodes, the dearest part of a call on a
+            # CPU. The second input is the first but for one frame (the detection keeps
+            # the extractor's last frame, the decode pads it with zeros): it gets the
+            # first's output. Any other input is encoded.
+            last, self._last = self._last, None
+            if last is not None and last[0].shape == features.shape:
+                frames = np.any(last[0] != features, axis=tuple(range(features.ndim - 1)))
+                if np.count_nonzero(frames) <= 1:
+                    return last[1]
+            out = super().encode(features)
+            self._last = (np.array(features, copy=True), out)
+            return out
 
     return ShortWindowWhisperModel
 
