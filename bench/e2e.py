@@ -1,6 +1,7 @@
 """End-to-end benchmark: N streams of the reference speech through the whole system.
 
-    python -m bench.e2e --json [--streams 2] [--model whisper-base] [--speech heldout]
+    python -m bench.e2e --json [--streams 2|calibrated] [--model whisper-base] [--speech heldout]
+        [--engine "final_beam_size: 5, pause_s: 1.0"]
 
 Starts `babelcast run` (local redis-server child, local Ray, embedded engine, gateway) on a
 generated event with N `source: push` streams, connects one caption WebSocket per stream,
@@ -20,6 +21,8 @@ left. It listens until nothing is open and nothing has arrived for a few seconds
   listening (a final that never came); `drain_s`: how long it listened after the audio;
 - `finals_revised`: publications of a segment after its final (must be 0);
 - `rtf`: the engine's decode-thread busy seconds per second of stream audio (all streams);
+- `calibration` (with `--streams calibrated`): the streams the engine's calibration gives
+  this host (`workers.engines.calibrate`, cached per host), which the run then plays;
   `cpu_s_per_audio_s`: CPU seconds of the whole process tree (gateway, Ray, actors) and
   its redis-server per second of stream audio.
 """
@@ -95,7 +98,8 @@ def _offline_wer(model: str, chosen: list[Talk]) -> float:
     return float(jiwer.wer(" ".join(refs), " ".join(hyps)))
 
 
-async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any]:
+async def run(streams: int, model: str, speech: str, tmp: Path,
+              engine_extra: str = "") -> dict[str, Any]:
     import jiwer
 
     chosen = talks(speech)
@@ -107,7 +111,8 @@ async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any
     ids = [f"room-{i}" for i in range(streams)]
     lines = [
         "event: bench e2e",
-        f"engine: {{kind: embedded, model: {model}, actors: 1, streams_per_actor: {streams}}}",
+        f"engine: {{kind: embedded, model: {model}, actors: 1, streams_per_actor: {streams}"
+        f"{', ' + engine_extra if engine_extra else ''}}}",
         "streams:",
         *[f"  - {{id: {s}, source: push, language: en}}" for s in ids],
     ]
@@ -172,6 +177,7 @@ async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any
     return {
         "streams": streams,
         "model": model,
+        "engine_extra": engine_extra or None,
         "speech": [t.name for t in chosen],
         "audio_s_per_stream": round(audio_s, 2),
         "load_avg": [round(x, 2) for x in os.getloadavg()],
@@ -197,17 +203,46 @@ async def run(streams: int, model: str, speech: str, tmp: Path) -> dict[str, Any
     }
 
 
+async def _calibrate(model: str) -> dict[str, Any]:
+    """The engine's calibrated streams for this host (default engine options, 2 threads:
+    what the event file here runs), measured before `babelcast run` starts."""
+    import dataclasses
+
+    from workers.engines.calibrate import calibration
+    from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
+
+    engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model=model, cpu_threads=2))
+    await engine.start()
+    try:
+        cal = await calibration(engine)
+    finally:
+        await engine.aclose()
+    return {k: v for k, v in dataclasses.asdict(cal).items() if k != "key"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--streams", default="2",
+                    help="streams to play, or 'calibrated': what the engine's calibration "
+                         "gives this host (measured once, then cached)")
+    ap.add_argument("--engine", default="",
+                    help="more engine keys for the event file, YAML flow style "
+                         "(e.g. 'final_beam_size: 5, pause_s: 1.0')")
     ap.add_argument("--model", default="whisper-base", choices=["whisper-base", "tiny.en"])
     ap.add_argument("--speech", default="reference", choices=["reference", "heldout"],
                     help="reference: the tuning set; heldout: speech in no file of the repo")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--plot", default=None, help="write a latency plot (PNG) here")
     args = ap.parse_args()
+    calibration = None
+    if args.streams == "calibrated":
+        calibration = asyncio.run(_calibrate(args.model))
+        streams = int(calibration["streams"])
+    else:
+        streams = int(args.streams)
     with tempfile.TemporaryDirectory(prefix="bench-e2e-") as tmp:
-        result = asyncio.run(run(args.streams, args.model, args.speech, Path(tmp)))
+        result = asyncio.run(run(streams, args.model, args.speech, Path(tmp), args.engine))
+    result["calibration"] = calibration
     result["engine_offline_wer"] = round(_offline_wer(args.model, result.pop("_talks")), 4)
     result["wer_minus_offline"] = round(result["wer"] - result["engine_offline_wer"], 4)
     final_lat = result.pop("_final_lat")

@@ -1,6 +1,7 @@
 """Peer benchmark: the same real speech through Babelcast and through WhisperLive.
 
     python -m bench.peer --json [--repeat 3] [--rounds 2] [--speech heldout] [--plot FILE]
+        [--babelcast-final-beam 5] [--babelcast-engine "pause_s: 1.0"]
 
 Plays the speech (`reference`: the five LibriVox utterances the project was tuned on,
 repeated `--repeat` times; `heldout`: recordings in no file of this repository,
@@ -27,7 +28,9 @@ alternate the order (round 1 Babelcast first, round 2 WhisperLive first, ...):
 Decoding is not the same and the output says how (`decoding`): WhisperLive decodes with
 its defaults (beam 5, best of 5, temperature fallback, previous text as the prompt);
 Babelcast with its defaults (greedy interims, final pass with `final_beam_size`);
-`--babelcast-final-beam 5` runs Babelcast's final pass with beam 5 as well.
+`--babelcast-final-beam 5` runs Babelcast's final pass with beam 5 as well;
+`--babelcast-engine` adds engine keys to Babelcast's event file (YAML flow style), to
+measure a lever of the final pass (`bench.accuracy`'s OPTIONS) against the peer.
 
 Measured identically for both, pooled over the rounds:
 
@@ -86,7 +89,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
     lines = [
         "event: bench peer",
         f"engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 1, "
-        f"cpu_threads: {args.threads}, final_beam_size: {args.babelcast_final_beam}}}",
+        f"cpu_threads: {args.threads}, final_beam_size: {args.babelcast_final_beam}"
+        f"{', ' + args.babelcast_engine if args.babelcast_engine else ''}}}",
         "streams:",
         "  - {id: talk, source: push, language: en}",
     ]
@@ -139,6 +143,7 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
             "final_beam_size": opts.final_beam_size, "final_pass": opts.final_pass,
             "step_s": opts.step_s,
             "pause_s": opts.pause_s, "max_window_s": opts.max_window_s,
+            "engine_extra": args.babelcast_engine or None,
             "input": "PCM16 over /v1/streams/talk/audio (source: push)",
         },
     }
@@ -322,6 +327,9 @@ def main() -> int:
                     help="reference: the tuning set; heldout: speech in no file of the repo")
     ap.add_argument("--babelcast-final-beam", type=int, default=1,
                     help="beam of Babelcast's final pass (WhisperLive decodes with beam 5)")
+    ap.add_argument("--babelcast-engine", default="",
+                    help="more engine keys for Babelcast's event file, YAML flow style "
+                         "(e.g. 'pause_s: 1.0')")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of both engines")
     ap.add_argument("--chunk-ms", type=int, default=100, help="audio sent per message")
     ap.add_argument("--settle", type=float, default=6.0,
