@@ -1,0 +1,259 @@
+"""The ASR engine pool: which engine, how many actors, failover and lag moves, the session
+manager's policy, and the vllm engine's settings."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import Field, model_validator
+
+from orchestrator.config.base import _fail, _raise_at, _Strict
+
+
+class SessionConfig(_Strict):
+    """How the session manager keeps every stream captioned (rollover, watchdog, pacing)."""
+
+    budget_s: float | None = Field(
+        default=None, gt=0,
+        description="audio seconds one engine session may take; null: the engine's own limit")
+    margin_s: float = Field(default=30.0, gt=0,
+                            description="start a warm rollover this long before the budget")
+    overlap_s: float = Field(default=5.0, gt=0,
+                             description="audio the new session re-reads before the switch")
+    switch_pause_s: float = Field(default=0.25, gt=0,
+                                  description="shortest pause a rollover may switch in")
+    rut_window_s: float = Field(default=15.0, gt=0, description="rut watchdog window")
+    rut_speech_s: float = Field(default=6.0, gt=0,
+                                description="speech seconds without text that mean a rut")
+    rut_chars_per_speech_s: float = Field(
+        default=1.0, ge=0, description="below this many characters per speech second: a rut")
+    rut_max_lag_s: float = Field(
+        default=30.0, gt=0,
+        description="seconds of speech fed to a session while its recognition does not move "
+                    "at all (it stopped hearing) before the watchdog replaces it; a session "
+                    "that is merely slow is never replaced (it is behind, not stuck)")
+    shed_after_s: float | None = Field(
+        default=None, gt=0, le=600,
+        description="when a stream's captions fall this many seconds behind its audio, skip "
+                    "to the live edge and say so: a `gap` event with the seconds skipped in "
+                    "the captions and the archive (counted); null (default): keep every word "
+                    "up to the input queue's size (~60 s), counting and logging what it drops")
+    stall_s: float = Field(
+        default=1.0, gt=0,
+        description="source silence before dithered noise is fed; raised automatically up to "
+                    "stall_max_s for transports that deliver in bursts (MPEG-TS, HLS)")
+    stall_max_s: float = Field(default=3.0, gt=0,
+                               description="the learned stall threshold never exceeds this")
+    dither_lsb: int = Field(default=2, ge=1, le=64, description="noise amplitude in LSB")
+    max_fill_s: float = Field(default=10.0, gt=0,
+                              description="longer holes start a fresh session instead")
+
+    @model_validator(mode="after")
+    def _margin(self) -> Self:
+        if self.budget_s is not None and self.margin_s >= self.budget_s:
+            raise _fail(f"margin_s ({self.margin_s}) must be below budget_s ({self.budget_s})")
+        if self.rut_speech_s > self.rut_window_s:
+            raise _fail("rut_speech_s cannot exceed rut_window_s")
+        if self.stall_max_s < self.stall_s:
+            raise _fail(f"stall_max_s ({self.stall_max_s}) cannot be below stall_s "
+                        f"({self.stall_s})")
+        return self
+
+
+class VllmConfig(_Strict):
+    """AsyncLLM settings of the vllm engine (see VLLM.md); one engine per GPU actor."""
+
+    max_model_len: int = Field(
+        default=16384, ge=256,
+        description="positions per session (× 80 ms = session cap without re-anchoring). "
+                    "vLLM 0.26 reserves KV cache for one whole max_model_len request at "
+                    "~1.1 MiB per position (the encoder's cache counts 4 frames per "
+                    "position): 131072 needs 141 GiB and does not start on an H200; "
+                    "re-anchoring keeps sessions within 16384")
+    gpu_memory_utilization: float = Field(default=0.90, gt=0, le=1,
+                                          description="share of GPU memory vLLM may take")
+    engines_per_gpu: int = Field(
+        default=1, ge=1, le=8,
+        description="ASR actors (each a vLLM engine with its own front-end process) that "
+                    "share one GPU; each takes gpu_memory_utilization / engines_per_gpu. Two "
+                    "held more than one (one engine's per-chunk Python work bounded it); "
+                    "three, with fp8 KV and window_trim's keys mode, held 104 sessions aged "
+                    "30 min where two held 88; four no more new ones than two "
+                    "(bench.voxtral_capacity, README). Run CUDA MPS on the GPU node when "
+                    "engines share a GPU: three at 112 aged made 12.15 frames/s per session "
+                    "with it, 9.58 without (README, CUDA MPS)")
+    cuda_mps: bool = Field(
+        default=False,
+        description="the GPU nodes run CUDA MPS (their operator starts "
+                    "`nvidia-cuda-mps-control -d` before Ray starts the actors): an engine "
+                    "that MPS does not serve (no daemon answers, or its engine core is not "
+                    "a client of the daemon's server) refuses to start instead of running "
+                    "slower than its budget, and with fp8 and three engines per GPU "
+                    "the default streams_per_actor is the knee measured under MPS, 36 (110 "
+                    "sessions aged 30 min held per H200, 2026-12-03; 34 without)")
+    direct_input: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="build each 80 ms chunk's engine input directly instead of through "
+                    "vLLM's renderer and HF processor: auto where the two were checked equal "
+                    "byte for byte (vLLM 0.26.0 exactly); 12x less front-end CPU per chunk")
+    load_format: Literal["mistral", "dummy", "babelcast_scaled"] = Field(
+        default="mistral", description="mistral: real weights; dummy: random, every weight "
+                    "in ±1e-3 (benchmarks); babelcast_scaled: random at a trained "
+                    "checkpoint's scale, so attention depends on its keys (GPU tier)")
+    enforce_eager: bool = Field(default=False, description="no CUDA graphs")
+    cudagraph_mode: Literal["PIECEWISE", "NONE"] = Field(
+        default="PIECEWISE", description="Voxtral refuses FULL graphs")
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="at least 400 × (streams + headroom) is used anyway")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto", description="KV cache element type: auto (bf16) or fp8, half the GPU "
+                                    "memory per position (sessions aged long are bounded by it)")
+    sync_free_melspec: bool = Field(
+        default=True,
+        description="the encoder's spectrogram without a wait on the GPU per 80 ms chunk "
+                    "(vLLM 0.26's makes a device tensor per chunk, which waits for the "
+                    "stream); switched on only where it is bitwise equal to vLLM's. On the "
+                    "H200 it took 48 sessions aged 30 min from 0 % to 100 % real time on "
+                    "two engines (bench.voxtral_capacity +melspec, README)")
+    incremental_token_writes: bool = Field(
+        default=True,
+        description="stage a streaming session's token history on the GPU once instead of "
+                    "again at every 80 ms chunk (vLLM 0.26's V2 runner rewrites it whole); "
+                    "switched on only where a check on the GPU leaves the rows as vLLM's "
+                    "writes would. On the H200 it took 56 sessions aged 30 min from 0 % to "
+                    "100 % real time on two engines (bench.voxtral_capacity +tokens, README)")
+    window_trim: bool = Field(
+        default=True,
+        description="hand FlashAttention only the KV blocks each session's sliding window "
+                    "can see (vLLM 0.26 hands it an aged session's whole position range, "
+                    "and a slid window costs FA3 more); switched on only where a check on "
+                    "the GPU finds the trimmed call as accurate as vLLM's. On the H200 it "
+                    "took 88 sessions aged 30 min from 0 % to 96.6 % real time on two "
+                    "engines, fp8, in one run (bench.voxtral_capacity +trim, README). Its "
+                    "'keys' mode (FA3's leftpad_k; taken where its check passes) runs an "
+                    "aged decode step at the cost of 8,192 positions from the start: "
+                    "1.38-1.81x vLLM's call on an aged decoder layer, fp8 (bench.fa_kernels "
+                    "--trim)")
+    reanchor: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="keep sessions below max_model_len by re-anchoring their positions: auto "
+                    "where tested (vLLM 0.26.0 exactly) and the engine's probe agrees; off: warm "
+                    "rollovers before the cap")
+    reanchor_every: int = Field(
+        default=4096, ge=128, description="positions between a session's re-anchors")
+    rollover_headroom: int | None = Field(
+        default=None, ge=0,
+        description="session slots beyond streams_per_actor for warm rollovers and restarts; "
+                    "null: a quarter of streams_per_actor, at least 1")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_delay(cls, data: Any) -> Any:
+        # The delay is the model's (one engine per delay): a second copy here could only
+        # disagree with it.
+        if isinstance(data, dict) and "delay_ms" in data:
+            _raise_at("VllmConfig", [(("delay_ms",), "the delay comes from the model "
+                                      "folder's tekken.json (audio.transcription_delay_ms); "
+                                      "remove this key", data["delay_ms"])])
+        return data
+
+
+class EngineConfig(_Strict):
+    kind: Literal["embedded", "realtime-ws", "vllm"] = Field(
+        default="embedded",
+        description="speech engine: embedded (CPU Whisper), vllm (Voxtral Realtime on a GPU "
+                    "per actor) or realtime-ws (a /v1/realtime server)")
+    model: str = Field(
+        default="whisper-base",
+        description="embedded: whisper-base or tiny.en (English-only); vllm: the Voxtral model "
+                    "folder; realtime-ws: the model name sent in session.update")
+    url: str | None = Field(
+        default=None, description="realtime-ws: ws(s):// URL of the /v1/realtime endpoint")
+    delay_s: float = Field(default=0.48, ge=0,
+                           description="realtime-ws: how far the server's text lags its audio")
+    token_env: str | None = Field(
+        default=None,
+        description="realtime-ws: environment variable holding the token sent as "
+                    "`Authorization: Bearer` (another Babelcast's publish token)")
+    max_session_s: float | None = Field(
+        default=None, gt=0,
+        description="realtime-ws: the server's session cap in audio seconds, if known")
+    text_lag_s: float = Field(
+        default=0.0, ge=0, le=120,
+        description="realtime-ws: seconds of speech the server may hear before it sends text "
+                    "(0 for vLLM; about 25 for another Babelcast's /v1/realtime, which sends "
+                    "a caption's text once it is final)")
+    actors: int = Field(default=1, ge=1, description="number of ASR actors")
+    failover_after_s: float = Field(
+        default=1.0, ge=0.5, le=600,
+        description="an ASR actor out of reach this long (dead for good: at once) has its "
+                    "streams moved to other actors with room; they resume from their cursor")
+    lease_ttl_s: float | None = Field(
+        default=1.5, ge=0.5, le=60,
+        description="each ASR actor keeps a lease in Redis with this expiry, renewed every "
+                    "quarter of it (at most 0.5 s) while its engine works; the supervisor "
+                    "moves the streams of an actor whose lease lapsed at once, without "
+                    "waiting for Ray to notice a lost node (~18 s) or a frozen one (never); "
+                    "null: no lease, Ray's signal and failover_after_s only")
+    move_after_lag_s: float | None = Field(
+        default=10.0, gt=0, le=600,
+        description="a stream whose captions come more than this many seconds after the "
+                    "speech, for move_lag_sustain_s, moves to another actor with room that is "
+                    "not behind itself; it resumes from its cursor (null: never moves for lag)")
+    move_lag_sustain_s: float = Field(
+        default=10.0, ge=0, le=3600,
+        description="how long a stream must stay behind move_after_lag_s before it moves")
+    move_cooldown_s: float = Field(
+        default=120.0, ge=0, le=86400,
+        description="after a move for lag, the stream does not move for lag again, and the "
+                    "actor it left takes no stream moved for lag, for this many seconds")
+    streams_per_actor: int = Field(
+        default=4, ge=1,
+        description="streams one ASR actor decodes; unset: embedded engines take what the "
+                    "host's cores sustain in real time for the model, vllm its measured knee "
+                    "for sessions aged 30 min (18; orchestrator/capacity.py), other engines 4")
+    cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
+    step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
+    pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
+    final_pass: Literal["utterance", "agreement"] = Field(
+        default="utterance",
+        description="embedded: utterance: each final is one decode of the whole utterance at "
+                    "a pause (most accurate); agreement: finals as two interim decodes agree")
+    final_beam_size: int = Field(default=1, ge=1, le=10,
+                                 description="embedded: beam of the final pass")
+    session: SessionConfig = Field(default_factory=SessionConfig,
+                                   description="session manager: rollover, rut watchdog, pacing")
+    vllm: VllmConfig | None = Field(default=None, description="vllm engine settings")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_streams(cls, data: Any) -> Any:
+        # Measured per model and core (orchestrator/capacity.py): never past the knee.
+        if isinstance(data, dict) and data.get("streams_per_actor") is None:
+            from orchestrator.capacity import default_streams_per_actor, vllm_streams_per_actor
+
+            if data.get("kind") == "vllm":
+                data = {**data, "streams_per_actor": vllm_streams_per_actor(data.get("vllm"))}
+            elif data.get("kind", "embedded") == "embedded":
+                data = {**data, "streams_per_actor": default_streams_per_actor(
+                    str(data.get("model", "whisper-base")), data.get("cpu_threads", 2),
+                    data.get("actors", 1))}
+        return data
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> Self:
+        if self.kind == "vllm" and self.vllm is None:
+            self.vllm = VllmConfig()
+        elif self.kind != "vllm" and self.vllm is not None:
+            raise _fail("a vllm section needs engine kind vllm")
+        if self.kind == "embedded" and self.model not in ("whisper-base", "tiny.en"):
+            raise _fail(f"embedded engine model must be 'whisper-base' or 'tiny.en', "
+                        f"got {self.model!r}")
+        if self.kind == "realtime-ws":
+            if not self.url or not self.url.startswith(("ws://", "wss://")):
+                raise _fail("engine kind realtime-ws needs url: ws://HOST:PORT/v1/realtime")
+        elif self.url is not None:
+            raise _fail("url is only for engine kind realtime-ws")
+        if self.token_env is not None and self.kind != "realtime-ws":
+            raise _fail("token_env is only for engine kind realtime-ws")
+        return self
