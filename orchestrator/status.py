@@ -193,7 +193,9 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
                    # Its streams' view of its health: a fast engine can still leave them
                    # behind (more streams than it carries).
                    max_caption_lag_s=_round(_num(h, "max_caption_lag_s"), 1),
-                   streams_behind=int(_num(h, "streams_behind") or 0))
+                   streams_behind=int(_num(h, "streams_behind") or 0),
+                   # what the embedded engine measured this host to carry (calibrate.py)
+                   calibrated_streams=int(_num(h, "calibrated_streams") or 0) or None)
     elif out["role"] == "translator":
         out.update(finals_published=int(_num(h, "finals_published") or 0),
                    errors=int(_num(h, "errors") or 0),
@@ -303,6 +305,8 @@ def render(status: Mapping[str, Any], url: str = "") -> str:
         elif a["role"] == "asr":
             load = f"{a['streams']}/{a['max_streams']} streams"
             parts = [f"rtf {a['rtf']:.2f}" if a.get("rtf") is not None else "",
+                     f"host carries {a['calibrated_streams']}"
+                     if a.get("calibrated_streams") else "",
                      f"{a['streams_behind']} behind (max lag {a['max_caption_lag_s']:.0f} s)"
                      if a.get("streams_behind") else "",
                      "ENGINE DEAD" if a.get("engine_ok") is False else "",

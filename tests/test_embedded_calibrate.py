@@ -76,3 +76,20 @@ def test_an_engine_measures_its_host_once_then_reads_the_figure_from_the_cache(
     assert second["calibrated_streams"] == first["calibrated_streams"]
     assert stats["decode_calls"] == 0, "a cached figure costs no decode"
     assert EmbeddedWhisperEngine(opts()).describe() == {}, "calibration is asked for"
+
+
+@pytest.mark.unit
+def test_status_shows_what_the_host_carries_beside_the_actors_budget() -> None:
+    from orchestrator.status import _actor, render
+
+    now = 1000.0
+    actor = _actor("asr-0", {"max_streams": "3", "streams": "3", "calibrated_streams": "2",
+                             "updated": str(now)}, now)
+    assert actor["calibrated_streams"] == 2
+    text = render({"event": "e", "streams": [], "actors": [actor],
+                   "translation": {"languages": {}, "queue": {}},
+                   "clients": {"total": 0, "by_stream": {}}})
+    line = next(line for line in text.splitlines() if line.startswith("asr-0 "))
+    assert "3/3 streams" in line and "host carries 2" in line
+    uncalibrated = _actor("asr-1", {"max_streams": "3", "updated": str(now)}, now)
+    assert uncalibrated["calibrated_streams"] is None
