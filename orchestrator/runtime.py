@@ -4,8 +4,10 @@ It starts a local `redis-server` when the event names none, starts (or joins) Ra
 the ingest, ASR and translator actors (`ray_actors.py`, with the options of
 `actor_options.py`), pins every stream through the router, and keeps desired and running
 state in line (the supervisor loop): an actor that died is replaced and its streams are
-added again, or moved to another actor; hot apply adds, drains and updates streams.
-The Ray code of the project lives here, in `ray_actors.py` and in `ray_metrics.py`.
+added again, or moved to another actor (`failover.py`: leases, moves of streams off
+actors that are down or behind); hot apply adds, drains and updates streams
+(`hot_apply.py`). The Ray code of the project lives here, in `ray_actors.py` and in
+`ray_metrics.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from orchestrator.actor_options import (
     translation_backends,
     translation_host_options,
 )
-from orchestrator.config import EventConfig, StreamConfig
+from orchestrator.config import EventConfig
+from orchestrator.failover import Failover
+from orchestrator.hot_apply import HotApply
 from orchestrator.ray_actors import AsrActor, IngestActor, TranslatorActor
 from orchestrator.ray_metrics import write_ray_metrics_targets
 from orchestrator.redis_server import LocalRedisServer
@@ -50,9 +54,6 @@ INGEST_RETRY_S = 1.0
 """How soon the supervisor tries again an ingest actor it could not reach: a pass that
 meets it mid-restart fails, and nothing else would wake the supervisor before its poll
 (5 s; in tests 120 s). Ingest has no failover wait: the sooner, the less audio lost."""
-SPARE_WARM_DELAY_S = 5.0
-"""A restarted ASR actor (its streams moved) starts its engine this long after it answers,
-once the moved streams have caught up: it is then a warm spare."""
 
 
 def ray_namespace(event: str) -> str:
@@ -66,7 +67,7 @@ def ray_namespace(event: str) -> str:
 
 
 @dataclass
-class EventRuntime:
+class EventRuntime(Failover, HotApply):
     cfg: EventConfig
     redis_url: str = ""
     asr: dict[str, Any] = field(default_factory=dict)
@@ -372,224 +373,6 @@ class EventRuntime:
             self._replacing[actor_id] = state["pid"]
         ray.kill(handle, no_restart=False)
 
-    def _probe_lapsed(self, actor_id: str, handle: Any, timeout_s: float = 5.0) -> None:
-        """Ask an actor whose lease lapsed how it is, off the pass: one that answers
-        with a dead engine is replaced (Ray restarts it without its engine's fault); one
-        that Ray restarted (its host starts on first use) is started, so its engine loads
-        and its lease comes back: a warm spare; one that does not answer (vanished,
-        frozen) is Ray's to notice."""
-        if actor_id in self._probing:
-            return
-
-        async def probe() -> None:
-            try:
-                state = await wait_for(handle.state.remote(), timeout_s)
-                if state.get("started") and state.get("engine_ok") is False and \
-                        self._replacing.get(actor_id) != state.get("pid"):
-                    dead_pid = state.get("pid")
-                    self._replace_dead_engine(actor_id, handle, state)
-                    deadline = time.monotonic() + 120
-                    while time.monotonic() < deadline:  # until Ray's new process answers
-                        await asyncio.sleep(0.5)
-                        with contextlib.suppress(Exception):
-                            state = await wait_for(handle.state.remote(), timeout_s)
-                            if state.get("pid") != dead_pid:
-                                break
-                if not state.get("started"):
-                    # after the moved streams' catch-up: a model load beside it (CPU
-                    # actors) slowed their first captions by seconds on 2 cores
-                    await asyncio.sleep(SPARE_WARM_DELAY_S)
-                    await wait_for(handle.health.remote(), 600)
-            except Exception as exc:  # out of reach: nothing to do here
-                log.info("ASR actor %s (lease lapsed) did not answer: %s", actor_id,
-                         type(exc).__name__)
-            finally:
-                self._probing.discard(actor_id)
-
-        self._probing.add(actor_id)
-        task = asyncio.create_task(probe())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def watch_leases(self, every_s: float = 0.1,
-                           wake: asyncio.Event | None = None) -> None:
-        """Read every ASR actor's lease every `every_s`: an actor whose lease was seen and
-        is gone is down from now (its streams move at the next pass, which `wake` starts);
-        one whose lease is back (a restarted actor with its engine up, a node that woke)
-        is asked over Ray again. Redis out of reach says nothing about the actors, nor
-        does a Redis that came back empty (a new run id): every lease is gone then, and
-        the actors renew theirs within half a second; they count again once seen."""
-        from workers.lease import lease_key
-
-        redis = connect_redis(self.redis_url)
-        run_id = None
-        last_ok = time.monotonic()
-        try:
-            while True:
-                actors = list(self.asr)
-                try:
-                    values = await redis.mget([lease_key(a) for a in actors])
-                    server = (await redis.info("server")).get("run_id")
-                except Exception:
-                    await asyncio.sleep(every_s)
-                    continue
-                now = time.monotonic()
-                stalled = now - last_ok > max(1.0, 4 * every_s)
-                last_ok = now
-                if server != run_id or stalled:
-                    # A new run id: Redis came back empty. A gap in these reads: Redis
-                    # stalled (a SIGSTOP, a slow disk, a paused VM), and its clock expired
-                    # leases the actors could not renew meanwhile. Neither says an actor
-                    # is lost: leases count again once renewed.
-                    if run_id is not None:
-                        log.warning("Redis %s: ASR leases are judged again once renewed",
-                                    "restarted" if server != run_id else "stalled")
-                        self._lease_seen.clear()
-                        self.lease_redis_restarts += 1
-                    run_id = server
-                    await asyncio.sleep(every_s)
-                    continue
-                gone = [a for a, v in zip(actors, values, strict=True)
-                        if v is None and a in self._lease_seen]
-                if len(gone) >= 2 and set(gone) >= self._lease_seen:
-                    # Every lease at once: a Redis that stalled past the expiry (its clock
-                    # ran on), more likely than every actor lost; and with every actor
-                    # lost there is nowhere to move to. Judged again once renewed.
-                    log.warning("all %d ASR leases lapsed at once: Redis stalled? not moving "
-                                "streams for it", len(gone))
-                    self._lease_seen.clear()
-                    self.lease_all_lapsed += 1
-                    await asyncio.sleep(every_s)
-                    continue
-                for actor_id, value in zip(actors, values, strict=True):
-                    if value is not None:
-                        self._lease_seen.add(actor_id)
-                        if self._lease_lapsed.pop(actor_id, None) is not None:
-                            log.warning("ASR actor %s: lease back", actor_id)
-                            self._down_since.pop(actor_id, None)
-                            if wake is not None:
-                                wake.set()
-                    elif actor_id in self._lease_seen and actor_id not in self._lease_lapsed:
-                        self._lease_lapsed[actor_id] = now
-                        self._lease_seen.discard(actor_id)
-                        metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
-                        log.warning("ASR actor %s: lease lapsed; moving its streams",
-                                    actor_id)
-                        if wake is not None:
-                            wake.set()
-                await asyncio.sleep(every_s)
-        finally:
-            await redis.aclose()
-
-    async def _move_streams(self, actor_id: str, streams: dict[str, StreamConfig]
-                            ) -> list[str]:
-        """The streams of an actor that is down go to the least loaded actors that are
-        up and have room; each resumes there from its ASR cursor in Redis."""
-        assert self.router is not None
-        problems: list[str] = []
-        for sid in sorted(s for s, a in self.router.pins.items() if a == actor_id):
-            target = self.router.move(sid, avoid=set(self._down_since))
-            if target is None:
-                problems.append(f"{sid}: no actor with room to move to")
-                continue
-            log.warning("stream %s: actor %s is down; moving it to %s", sid, actor_id, target)
-            metrics.STREAM_MOVES.labels(actor=target).inc()
-            try:
-                await wait_for(self.asr[target].add_stream.remote(
-                    stream_options(streams[sid], self.cfg.translation)), 30)
-            except Exception as exc:  # pinned there: the next pass re-adds it
-                problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
-        self._export_placement()
-        return problems
-
-    def _observe_lag(self, actor_id: str, reported: dict[str, Any], now: float) -> None:
-        """Note which of the actor's streams are behind real time (`AsrHost.health`:
-        the latency of each stream's latest caption with text, and its age). A latency
-        older than twice the threshold says nothing about now (the room went quiet), and
-        a stream in its cooldown after a move for lag is not watched: its new owner
-        catches up on old audio, and those captions are late by design."""
-        e = self.cfg.engine
-        limit = e.move_after_lag_s
-        assert self.router is not None
-        self._lagging_actors.discard(actor_id)
-        if limit is None:
-            return
-        for sid in [s for s, a in self.router.pins.items() if a == actor_id]:
-            if sid not in reported:  # not running there (yet): nothing to judge
-                self._behind_since.pop(sid, None)
-        for sid, info in reported.items():
-            if self.router.pins.get(sid) != actor_id or not isinstance(info, dict):
-                continue
-            lag, age = info.get("caption_lag_s"), info.get("caption_lag_age_s")
-            if lag is None or age is None or age > 2 * limit:
-                lag = 0.0  # unknown, or stale
-            cooling = now - self._lag_moved_at.get(sid, -math.inf) < e.move_cooldown_s
-            if lag > limit / 2:
-                self._lagging_actors.add(actor_id)
-            if lag > limit and not cooling:
-                self._behind_since.setdefault(sid, now)
-            else:
-                self._behind_since.pop(sid, None)
-
-    async def _move_lagging(self, streams: dict[str, StreamConfig]) -> list[str]:
-        """A stream behind real time for `move_lag_sustain_s` moves to the least loaded
-        actor with room that is up, has no stream behind itself and had no stream moved
-        off it for lag within `move_cooldown_s` (so two slow actors never trade a stream
-        back and forth). It leaves its actor first — one owner at a time — and resumes
-        on the new one from its cursor, like a failover."""
-        assert self.router is not None
-        e = self.cfg.engine
-        now = time.monotonic()
-        problems: list[str] = []
-        moved = False
-        for sid, since in sorted(self._behind_since.items()):
-            source = self.router.pins.get(sid)
-            if now - since < e.move_lag_sustain_s or source is None \
-                    or source in self._down_since:
-                continue
-            cooled = {a for a, t in self._lag_left_at.items() if now - t < e.move_cooldown_s}
-            target = self.router.move(sid, avoid={source, *self._down_since,
-                                                  *self._lagging_actors, *cooled})
-            if target is None:
-                problems.append(f"{sid}: behind real time on {source}; "
-                                "no actor with room that keeps up")
-                continue
-            try:  # one owner at a time: the slow actor lets go before the new one starts
-                await wait_for(self.asr[source].remove_stream.remote(sid), 30)
-            except Exception as exc:
-                self.router.pins[sid] = source  # still there; the next pass tries again
-                problems.append(f"{sid}: cannot take it off {source}: {type(exc).__name__}")
-                continue
-            del self._behind_since[sid]
-            self._lag_moved_at[sid] = self._lag_left_at[source] = now
-            moved = True
-            log.warning("stream %s: captions behind real time by more than %.0f s on %s "
-                        "for %.0f s; moving it to %s", sid, e.move_after_lag_s, source,
-                        now - since, target)
-            metrics.STREAM_MOVES.labels(actor=target).inc()
-            await self._count_lag_move(sid)
-            try:
-                await wait_for(self.asr[target].add_stream.remote(
-                    stream_options(streams[sid], self.cfg.translation)), 30)
-            except Exception as exc:  # pinned there: the next pass re-adds it
-                problems.append(f"{sid}: move to {target} failed: {type(exc).__name__}")
-        if moved:
-            self._export_placement()
-            await self._report_status()
-        return problems
-
-    async def _count_lag_move(self, sid: str) -> None:
-        """`lag_moves` in the stream's status hash (the metric counts every move)."""
-        try:
-            redis = connect_redis(self.redis_url)
-            try:
-                await RedisBus(redis).incr_status(sid, "lag_moves")
-            finally:
-                await redis.aclose()
-        except Exception as exc:  # status is a view; the move is done without it
-            log.warning("stream %s: lag move not counted in its status: %s", sid,
-                        type(exc).__name__)
-
     async def supervise(self, every_s: float = 5.0, min_gap_s: float = 0.5) -> None:
         """Reconcile every `every_s`, and at once when an actor dies: one pending
         `watch()` call per actor fails when its process goes (Ray's death signal), so a
@@ -650,103 +433,6 @@ class EventRuntime:
                 task.cancel()
             if leases is not None:
                 leases.cancel()
-
-    # ---- hot apply (orchestrator.apply; call with control_lock held) ------------
-    def free_slots(self, releasing: frozenset[str] = frozenset()) -> int:
-        """Streams the ASR actors that are up can take, once `releasing` have left."""
-        assert self.router is not None
-        up = [a for a in self.router.actors if a not in self._down_since]
-        held = {a: 0 for a in up}
-        for sid, a in self.router.pins.items():
-            if a in held and sid not in releasing:
-                held[a] += 1
-        return sum(max(0, self.router.budget - n) for n in held.values())
-
-    async def add_stream(self, s: StreamConfig, timeout_s: float = 60.0) -> str:
-        """Place a stream that joined the event on the least loaded ASR actor with room
-        and start its ingest; returns the actor. Raises PlacementError when none has
-        room. An actor that does not answer in time keeps the pin: the supervisor adds
-        the stream there at its next pass (`self.cfg` must list it by then)."""
-        assert self.router is not None
-        opts = stream_options(s, self.cfg.translation)
-        actor = self.router.move(s.id, avoid=set(self._down_since))
-        if actor is None:
-            raise PlacementError(f"stream {s.id!r} cannot be placed: every ASR actor that "
-                                 "is up is full; remove a stream, or raise engine.actors or "
-                                 "engine.streams_per_actor and restart the event")
-        if s.id in self.unplaced:
-            self.unplaced.remove(s.id)
-        await wait_for(self.asr[actor].add_stream.remote(opts), timeout_s)
-        if s.source_kind != "push":
-            load = {a: 0 for a in self.ingest}
-            for a in self._ingest_pins.values():
-                load[a] = load.get(a, 0) + 1
-            ing = min(self.ingest, key=lambda a: (load[a], list(self.ingest).index(a)))
-            self._ingest_pins[s.id] = ing
-            await wait_for(self.ingest[ing].add_stream.remote(opts), timeout_s)
-        self._export_placement()
-        return actor
-
-    async def remove_stream(self, s: StreamConfig, timeout_s: float = 30.0) -> tuple[int, str]:
-        """Drain a stream that left the event: its ingest stops (no more audio), its ASR
-        session stops and a caption it left open is published as a final, once; its
-        router budget is freed. Returns (the seq of its last caption in its own language,
-        a problem or ""). Its outputs are closed by the caller once they have that seq."""
-        assert self.router is not None
-        problem = ""
-        actor = self.router.pins.get(s.id)
-        self.router.release(s.id)
-        for seen in (self._behind_since, self._lag_moved_at):  # lag moves forget it
-            seen.pop(s.id, None)
-        if s.id in self.unplaced:
-            self.unplaced.remove(s.id)
-        ing = self._ingest_pins.pop(s.id, None)
-        if ing is not None:
-            try:  # first: the ASR side then sees no new audio while it closes
-                await wait_for(self.ingest[ing].remove_stream.remote(s.id), timeout_s)
-            except Exception as exc:
-                problem = f"ingest {ing} did not stop it: {type(exc).__name__}"
-        last_seq = 0
-        lang = stream_options(s).caption_lang
-        if actor is not None:
-            try:
-                last_seq = await wait_for(
-                    self.asr[actor].drain_stream.remote(s.id, lang), timeout_s)
-            except Exception as exc:
-                # Unpinned anyway: an actor that answers again drops it (reconcile).
-                problem = (f"ASR actor {actor} did not drain it ({type(exc).__name__}); "
-                           "a caption it left open stays open")
-        metrics.STREAM_UNPLACED.labels(stream=s.id).set(0)
-        self._export_placement()
-        return last_seq, problem
-
-    async def update_stream(self, s: StreamConfig, timeout_s: float = 30.0) -> str:
-        """A running stream's new targets (and name), taken by its ASR actor without
-        touching its session; starts the translator pool if this is the event's first
-        target. Returns a problem or ""."""
-        assert self.router is not None
-        if s.targets and not self.translators:
-            await self.start_translators()
-        actor = self.router.pins.get(s.id)
-        if actor is None:
-            return ""
-        try:
-            await wait_for(self.asr[actor].update_stream.remote(
-                stream_options(s, self.cfg.translation)), timeout_s)
-        except Exception as exc:  # the supervisor's next re-add uses self.cfg's targets
-            return f"ASR actor {actor} did not take it: {type(exc).__name__}"
-        return ""
-
-    async def set_glossary(self, timeout_s: float = 30.0) -> list[str]:
-        """Every translator takes the glossary of `self.cfg`; returns problems."""
-        terms = translation_host_options(self.cfg, "", self.redis_url).glossary
-        problems: list[str] = []
-        for actor_id, handle in self.translators.items():
-            try:
-                await wait_for(handle.set_glossary.remote(terms), timeout_s)
-            except Exception as exc:
-                problems.append(f"{actor_id} did not take the glossary: {type(exc).__name__}")
-        return problems
 
     def _actor_of(self, handle: Any) -> str:
         for group in (self.asr, self.ingest, self.translators):
