@@ -75,6 +75,9 @@ BUSY_WINDOW_S = 20.0
 """Headroom for beam search is judged over this much wall time: long enough to hold
 several utterances of every stream (a lone final must not flip the choice), short
 enough to follow a stream that joins."""
+FINAL_READ_MAX = 28 * SAMPLE_RATE
+"""Samples a final pass may read with its context: Whisper's 30 s window, less the 100
+frames of padding `_decode_sync` adds after the audio, with a margin."""
 SAID_KEEP = 224
 """Committed words a session remembers for prompts (Whisper's prompt holds 224 tokens)."""
 
@@ -596,7 +599,11 @@ class EmbeddedWhisperSession(RecognizeSession):
         audio before it and a prompt of `final_prompt_words` said before that. (Adding a
         few seconds of audio before it without a prompt made Whisper base invent a
         sentence at the seam: 18 % WER on the reference set instead of 2.8 %, measured.)"""
-        start = self._buf_pos - min(self._ctx.size, self._ctx_max)
+        # Context only while the whole read fits Whisper's one 30 s window (past it,
+        # faster-whisper decodes two windows and seams them itself).
+        utterance = (self._buf.size if end is None else end - self._buf_pos)
+        room = max(0, FINAL_READ_MAX - utterance)
+        start = self._buf_pos - min(self._ctx.size, self._ctx_max, room)
         words, _ = await self._decode(start, self.engine.final_beam(), end, final=True,
                                       prompt=self._prompt(start / SAMPLE_RATE))
         return words
