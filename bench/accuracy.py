@@ -30,6 +30,7 @@ Per option (pooled over rounds), and per talk:
 - `final_audio_lag_p50_s` / `_p95_s`: audio pushed when a final was emitted minus the end
   of its last word, in audio seconds: the latency the policy itself adds (pauses waited
   for, parts held back), without the decode time (in lockstep, the whole latency but CPU);
+- `hyp_per_round`: the joined finals of each round, normalised as the WER reads them;
 - `words_per_final`; `cpu_s_per_audio_s`: CPU seconds of this process (decode thread,
   Silero, event loop) per second of audio; `decode_busy_s_per_audio_s`: the decode thread
   alone; `final_beam_share`: final passes decoded with the beam (of all final passes).
@@ -260,6 +261,9 @@ def summarize(legs: list[Leg], spans: list[tuple[Talk, float, float]],
             "wer_per_round": [round(float(jiwer.wer(r, h)), 4) for r, h in zip(refs, hyps,
                                                                                  strict=True)],
             "sub_del_ins": [counts.substitutions, counts.deletions, counts.insertions],
+            # What was said, normalised: to audit a figure (a digit written for a spoken
+            # number counts as an error) without running the bench again.
+            "hyp_per_round": hyps,
         }
     out["talks"] = per_talk
     if not lockstep:
