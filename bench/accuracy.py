@@ -108,6 +108,8 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "context-pause-1.0-beam5": {"final_context_s": 5.0, "pause_s": 1.0, "final_beam_size": 5},
     "context-prompt-beam5": {"final_context_s": 5.0, "final_prompt_words": 20,
                              "final_beam_size": 5},
+    "context-prompt-beam5-headroom": {"final_context_s": 5.0, "final_prompt_words": 20,
+                                      "final_beam_size": 5, "final_beam_max_busy": 0.5},
 }
 SPEECH_SETS = ("reference", "heldout", "fr", "es", "it")
 OTHER_LANGUAGE_S = 45.0
