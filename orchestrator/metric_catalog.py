@@ -94,7 +94,7 @@ def _gw(name: str, kind: Kind, help: str, *labels: str,
 
 
 CATALOG: tuple[MetricSpec, ...] = (
-    # ---- ASR actors (workers/asr.py through the runtime's RayMetricsSink) ----
+    # ---- ASR actors (workers/asr/ through the runtime's RayMetricsSink) ----
     _ray("babelcast_caption_latency_seconds", "histogram",
          "Speech to caption: capture time of a caption's last word to its publication "
          "(kind: partial or final)", "stream", "kind", buckets=LATENCY_BUCKETS),
