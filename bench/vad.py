@@ -38,7 +38,7 @@ SETTINGS = {"limit": "1", "own": ""}
 async def _drive(streams: int, chunks: int) -> dict[str, Any]:
     import psutil
 
-    from bench.voxtral_capacity import speech
+    from bench.capacity.feed import speech
     from workers.engines.vad import FRAME_SAMPLES, VadService
 
     audio = speech()

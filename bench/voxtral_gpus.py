@@ -45,7 +45,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.voxtral_capacity import host_fingerprint, knees, speech  # noqa: E402
+from bench.capacity.feed import speech  # noqa: E402
+from bench.capacity.host import host_fingerprint  # noqa: E402
+from bench.capacity.knee import knees  # noqa: E402
 
 WARM_S = 3.0
 CHUNK = 1600  # 100 ms at 16 kHz, as ingest writes it

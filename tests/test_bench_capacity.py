@@ -1,6 +1,6 @@
-"""bench.voxtral_capacity's bookkeeping (the GPU part runs on the H200 only): a knee is the
-largest level every lower level of which also held ≥ 95 % real time, as a median over
-rounds; rounds rotate the order so no configuration always runs first."""
+"""The capacity bench's bookkeeping (bench/capacity; the GPU part runs on the H200 only): a
+knee is the largest level every lower level of which also held ≥ 95 % real time, as a
+median over rounds; rounds rotate the order so no configuration always runs first."""
 
 from __future__ import annotations
 
@@ -16,19 +16,34 @@ from typing import Any
 
 import pytest
 
-from bench import voxtral_capacity as capacity
-from bench.voxtral_capacity import (
-    _phase,
+from bench.capacity.ageing import (
+    AgeingBackend,
+    ageing_audio,
+    prefixed,
+    until_aged,
+    until_first_sessions_aged,
+)
+from bench.capacity.configs import (
+    CONFIGS,
+    PIN,
+    ab_refusal,
+    ab_windows,
+    base_of,
     engines_of,
     feed_of,
-    knees,
-    open_production,
+    front_end_streams,
+    levers_of,
     plan,
-    rotated,
-    speech,
-    summarize_profiles,
-    track_sessions,
+    trim_of,
 )
+from bench.capacity.feed import open_production, speech, track_sessions
+from bench.capacity.frontend import FrontEnd
+from bench.capacity.host import cpu_topology
+from bench.capacity.knee import knee_ratios_at_least, knees, rotated
+from bench.capacity.orchestrate import ab_rows, by_front_end, run_config
+from bench.capacity.phase import WARM_S, _phase
+from bench.capacity.pinning import _set_cpus, pin_plan
+from bench.capacity.report import gpu_profiles, kv_summary, summarize_gpu_trace, summarize_profiles
 from tests.fake_vllm import FRAME, FakeVllmBackend
 from workers.engines import vad
 from workers.engines.base import SessionOptions
@@ -77,8 +92,8 @@ def test_two_front_end_configurations_split_over_front_ends_one_and_two() -> Non
 
 def test_a_melspec_configuration_runs_where_its_base_runs() -> None:
     """`+melspec` switches the engine cores' spectrogram on the same engines."""
-    assert "project-direct-x2+melspec" in capacity.CONFIGS
-    assert "stock+melspec" not in capacity.CONFIGS  # vLLM's path is measured as it ships
+    assert "project-direct-x2+melspec" in CONFIGS
+    assert "stock+melspec" not in CONFIGS  # vLLM's path is measured as it ships
     assert plan("project-direct-x2+melspec") == plan("project-direct-x2")
     assert plan("project-direct+melspec", shared=True) == [(1, "direct")]
     assert engines_of("project-direct-x4+melspec") == 4
@@ -89,23 +104,23 @@ def test_the_token_writes_lever_runs_alone_or_with_the_spectrogram() -> None:
     """`+tokens` and `+melspec+tokens` switch the engine cores' token writes on the same
     engines; the base configuration is the same."""
     for c in ("project-direct-x2+tokens", "project-direct-x2+melspec+tokens"):
-        assert c in capacity.CONFIGS
-        assert capacity.base_of(c) == "project-direct-x2"
+        assert c in CONFIGS
+        assert base_of(c) == "project-direct-x2"
         assert plan(c) == plan("project-direct-x2") and engines_of(c) == 2
-    assert "stock+tokens" not in capacity.CONFIGS
-    assert capacity.base_of("project+tokens+melspec") == "project"
+    assert "stock+tokens" not in CONFIGS
+    assert base_of("project+tokens+melspec") == "project"
 
 
 def test_the_window_trim_lever_runs_with_the_other_two() -> None:
     """`+melspec+tokens+trim` adds window-trimmed attention on the same engines."""
     c = "project-direct-x2+melspec+tokens+trim"
-    assert c in capacity.CONFIGS and "stock+trim" not in capacity.CONFIGS
-    assert capacity.base_of(c) == "project-direct-x2"
+    assert c in CONFIGS and "stock+trim" not in CONFIGS
+    assert base_of(c) == "project-direct-x2"
     assert plan(c) == plan("project-direct-x2") and engines_of(c) == 2
-    assert capacity.trim_of(c) == "blocks"
+    assert trim_of(c) == "blocks"
     keys = "project-direct-x2+melspec+tokens+keys"
-    assert keys in capacity.CONFIGS and capacity.base_of(keys) == "project-direct-x2"
-    assert capacity.trim_of(keys) == "keys" and capacity.trim_of("project-direct-x2") is False
+    assert keys in CONFIGS and base_of(keys) == "project-direct-x2"
+    assert trim_of(keys) == "keys" and trim_of("project-direct-x2") is False
 
 
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
@@ -118,7 +133,7 @@ def test_front_end_one_is_sized_for_every_session_only_when_a_one_engine_config_
 ) -> None:
     """vLLM reserves memory per sequence slot before it sizes the KV cache: a front end sized
     for sessions it never gets has fewer blocks than its peers."""
-    size = capacity.front_end_streams
+    size = front_end_streams
     x3 = ["project-direct-x3+melspec+tokens+keys"]
     assert [size(f, x3, 104, shared=True) for f in (1, 2, 3)] == [35, 35, 35]
     with_stock = ["stock", *x3]
@@ -228,7 +243,7 @@ async def test_a_phase_profiles_its_measured_window_with_its_children(tmp_path: 
         await engine.aclose()
     assert len(result["fps"]) == 3
     # the GPU profile too starts once the warm-up is over, and the phase names its trace
-    assert len(started) == 1 and started[0] >= capacity.WARM_S
+    assert len(started) == 1 and started[0] >= WARM_S
     assert result["gpu_trace"] == str(tmp_path / "engine.pt.trace.json.gz")
     got = summarize_profiles(str(tmp_path))["project-direct-3-fe0"]
     if got["samples"] == 0:  # a host that forbids attaching: the bench says why
@@ -253,7 +268,7 @@ def test_kv_summary_reports_the_peak_of_each_engine_in_the_window(tmp_path: Path
         line(10.0, 60, 4, (20, 20)), line(11.0, 8, 8, (40, 52)), "not json",
         line(12.0, 30, 8, (40, 30))]) + "\n")
     (tmp_path / "kv-2.jsonl").write_text(line(50.0, 0, 1, (1, 1)) + "\n")  # outside
-    [engine] = capacity.kv_summary(str(tmp_path), 9.0, 13.0)
+    [engine] = kv_summary(str(tmp_path), 9.0, 13.0)
     assert engine["engine"] == "kv-1" and engine["used_max"] == 0.92
     assert engine["running_max"] == 8 and engine["waiting_max"] == 1
     assert engine["blocks_per_request_at_peak"] == {
@@ -272,7 +287,7 @@ def test_kv_summary_reports_steps_per_second_and_requests_per_step(tmp_path: Pat
         line(10.0, 999, 999),  # counts steps before the window began: left out
         line(11.0, 300, 900), line(12.0, 100, 100), line(14.0, 200, 600)]) + "\n")
     (tmp_path / "kv-8.jsonl").write_text("\n".join([line(10.0, 5, 5), line(12.0, 0, 0)]))
-    one, idle = capacity.kv_summary(str(tmp_path), 10.0, 14.0)
+    one, idle = kv_summary(str(tmp_path), 10.0, 14.0)
     assert one["steps_per_s"] == 150.0  # 600 steps in 4 s
     assert one["requests_per_step"] == 2.67  # 1,600 requests over 600 steps
     assert idle["steps_per_s"] == 0.0 and idle["requests_per_step"] is None
@@ -294,7 +309,7 @@ def test_a_torch_profiler_trace_gives_steps_and_their_requests(tmp_path: Path) -
     prof.export_chrome_trace(str(raw))
     packed = tmp_path / "engine.pt.trace.json.gz"
     packed.write_bytes(gzip.compress(raw.read_bytes()))
-    got = capacity.summarize_gpu_trace(str(packed))
+    got = summarize_gpu_trace(str(packed))
     assert got["steps"] == 3
     assert got["requests_per_step"] == 11.33  # (10 + 12 + 12) / 3
     assert got["step_cpu_ms_p50"] > 0
@@ -314,13 +329,13 @@ def test_gpu_busy_time_counts_overlapping_kernels_once(tmp_path: Path) -> None:
         ev("Memcpy HtoD", "gpu_memcpy", 900, 50),
     ]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
-    got = capacity.summarize_gpu_trace(str(tmp_path / "t.json"))
+    got = summarize_gpu_trace(str(tmp_path / "t.json"))
     assert got["window_s"] == 0.001 and got["steps"] == 2
     assert got["gpu_busy_share"] == 0.4  # 100-350, 600-700, 900-950: 400 of 1000 µs
     assert got["gpu_busy_ms_per_step"] == 0.2
     assert got["top_gpu"][0] == ["gemm", 0.3, round(300 / 450, 3), 2]
     assert got["gpu_ms_by_category"] == {"gpu_memcpy": 0.05, "kernel": 0.4}
-    missing = capacity.gpu_profiles({"fe1": None, "fe2": str(tmp_path / "none.json")})
+    missing = gpu_profiles({"fe1": None, "fe2": str(tmp_path / "none.json")})
     assert "no trace" in missing["fe1"]["error"]
     assert missing["fe2"]["error"].startswith("FileNotFoundError")
 
@@ -334,20 +349,20 @@ async def test_slow_ageing_goes_on_and_stalled_ageing_stops() -> None:
             await asyncio.sleep(0.1)
             steps[0] += 1
 
-    await capacity.until_aged(slow(), lambda: steps[0], stall_s=0.4, every_s=0.05)
+    await until_aged(slow(), lambda: steps[0], stall_s=0.4, every_s=0.05)
     assert steps[0] == 10
 
     never = asyncio.Event()
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="stalled"):
-        await capacity.until_aged(never.wait(), lambda: steps[0], stall_s=0.3, every_s=0.05)
+        await until_aged(never.wait(), lambda: steps[0], stall_s=0.3, every_s=0.05)
     assert time.monotonic() - t0 < 2.0
 
     async def broken() -> None:
         raise RuntimeError("an ageing session ended")
 
     with pytest.raises(RuntimeError, match="ended"):
-        await capacity.until_aged(broken(), lambda: 0, stall_s=5)
+        await until_aged(broken(), lambda: 0, stall_s=5)
 
 
 @pytest.mark.integration
@@ -355,12 +370,12 @@ async def test_the_aged_production_feed_ages_each_managers_first_session() -> No
     """`--production --age-min M`: streams fed through the session manager and VAD, each
     stream's first engine session aged before the clock starts; a session opened later
     (a restart) is new. FAKE vLLM backend (its ageing here is 40 frames of speech in front
-    of the session's own audio; on the GPU it is bench.voxtral_age's bulk steps)."""
+    of the session's own audio; on the GPU it is bench/capacity/ageing.py's bulk steps)."""
     fake = FakeVllmBackend(text_every=3)
     audio = speech()
-    frames = capacity.ageing_audio(audio, 0, 40)
-    wrapper = capacity.AgeingBackend(
-        fake, lambda live, tokens, direct: fake.prompts(capacity.prefixed(frames, live),
+    frames = ageing_audio(audio, 0, 40)
+    wrapper = AgeingBackend(
+        fake, lambda live, tokens, direct: fake.prompts(prefixed(frames, live),
                                                         tokens))
     engine = await fake_engine(wrapper, direct_input="on")
     opened = track_sessions(engine)
@@ -368,7 +383,7 @@ async def test_the_aged_production_feed_ages_each_managers_first_session() -> No
     at_clock: list[int] = []
 
     async def before() -> None:
-        await capacity.until_first_sessions_aged(opened, 3, 30)
+        await until_first_sessions_aged(opened, 3, 30)
         wrapper.open = False
         at_clock.extend(x[0].outputs for x in opened.values())
 
@@ -395,12 +410,12 @@ async def test_the_aged_production_feed_ages_each_managers_first_session() -> No
 
 
 async def test_a_session_past_its_bulk_steps_frees_its_ageing_place_before_live_audio() -> None:
-    """bench.voxtral_age's gate: a session gives its place back when its last bulk step's
-    output comes, although its next (one-frame) step waits for live audio that comes only
-    once every session has aged. Driven here by plain tasks in the order vLLM's buffer
-    takes its steps: with the place given back at that next step instead, ageing stalled
-    on the H200 once the gate's first 8 sessions were through."""
-    from bench.voxtral_age import BulkPlace
+    """The ageing gate (bench/capacity/ageing.py): a session gives its place back when its
+    last bulk step's output comes, although its next (one-frame) step waits for live audio
+    that comes only once every session has aged. Driven here by plain tasks in the order
+    vLLM's buffer takes its steps: with the place given back at that next step instead,
+    ageing stalled on the H200 once the gate's first 8 sessions were through."""
+    from bench.capacity.ageing import BulkPlace
 
     bulk_steps, sessions, size = 3, 5, 2
     gate = asyncio.Semaphore(size)
@@ -467,25 +482,25 @@ async def test_a_failing_front_end_does_not_leave_the_others_answer_on_the_pipe(
 
     fronts: Any = {1: Front(1, 0.0, "ageing stalled"), 2: Front(2, 0.3, None)}
     with pytest.raises(RuntimeError, match="front end 1: ageing stalled"):
-        await capacity.run_config(fronts, "project-direct-x2", 2, 1.0)
+        await run_config(fronts, "project-direct-x2", 2, 1.0)
     assert finished == [1, 2]  # front end 2's answer was read before the error came out
     fronts = {1: Front(1, 0.0, "ageing stalled"), 2: Front(2, 0.1, "Timeout")}
     with pytest.raises(RuntimeError, match="front end 1: ageing stalled; front end 2: Timeout"):
-        await capacity.run_config(fronts, "project-direct-x2", 2, 1.0)
+        await run_config(fronts, "project-direct-x2", 2, 1.0)
     fronts = {1: Front(1, 0.0, None), 2: Front(2, 0.0, None)}
-    assert (await capacity.run_config(fronts, "project-direct-x2", 2, 1.0))["realtime_share"] == 1.0
+    assert (await run_config(fronts, "project-direct-x2", 2, 1.0))["realtime_share"] == 1.0
 
 
 def test_a_phase_says_which_engine_lagged() -> None:
     """Two engines of three real time reads as 67 % for the phase; the breakdown names the
     third and its own CPU per chunk."""
-    parts = capacity.plan("project-direct-x3", shared=True)
+    parts = plan("project-direct-x3", shared=True)
     results = [{"fps": fps, "backlog_s": [0.1] * len(fps), "front_end_us_per_chunk": 1000.0,
                 "engine_core_us_per_chunk": core, "helpers_us_per_chunk": 600.0,
                 "aged_in_s": 90.0}
                for fps, core in (([12.4, 12.5], 1800.0), ([12.3, 12.4], 1900.0),
                                  ([10.6, 11.9], 2600.0))]
-    rows = capacity.by_front_end(parts, [2, 2, 2], results)
+    rows = by_front_end(parts, [2, 2, 2], results)
     assert [r["front_end"] for r in rows] == [1, 2, 3]
     assert [r["realtime_streams"] for r in rows] == [2, 2, 0]
     assert rows[2]["frames_per_s_min"] == 10.6 and rows[2]["engine_core_us_per_chunk"] == 2600.0
@@ -496,13 +511,13 @@ def test_pinning_gives_each_engine_core_a_physical_core_from_the_top(
     """Eight cores of two hardware threads: three engine cores take cores 7, 6 and 5 (both
     threads each); everything else keeps cores 0-4. Too few cores is refused, not bent."""
     groups = [[c, c + 8] for c in range(8)]
-    monkeypatch.setattr(capacity, "cpu_groups", lambda usable: groups)
+    monkeypatch.setattr("bench.capacity.pinning.cpu_groups", lambda usable: groups)
     usable = set(range(16))
-    plans = [capacity.pin_plan(slot, 3, usable) for slot in range(3)]
+    plans = [pin_plan(slot, 3, usable) for slot in range(3)]
     assert [sorted(m) for m, _ in plans] == [[7, 15], [6, 14], [5, 13]]
     assert all(r == {0, 1, 2, 3, 4, 8, 9, 10, 11, 12} for _, r in plans)
     with pytest.raises(RuntimeError, match="8 physical cores cannot give 7"):
-        capacity.pin_plan(0, 7, usable)
+        pin_plan(0, 7, usable)
 
 
 def test_pinning_moves_every_thread_of_a_process_and_back() -> None:
@@ -520,9 +535,9 @@ def test_pinning_moves_every_thread_of_a_process_and_back() -> None:
         assert child.stdout is not None and child.stdout.readline().strip() == "up"
         tids = [int(t) for t in os.listdir(f"/proc/{child.pid}/task")]
         assert len(tids) == 2
-        assert capacity._set_cpus(child.pid, {first}) == 2
+        assert _set_cpus(child.pid, {first}) == 2
         assert all(os.sched_getaffinity(t) == {first} for t in tids)
-        capacity._set_cpus(child.pid, everything)
+        _set_cpus(child.pid, everything)
         assert all(os.sched_getaffinity(t) == everything for t in tids)
     finally:
         child.kill()
@@ -532,15 +547,15 @@ def test_pinning_moves_every_thread_of_a_process_and_back() -> None:
 
 def test_a_pin_configuration_is_an_ab_partner_of_its_unpinned_self() -> None:
     config = "project-direct-x3+melspec+tokens+keys"
-    assert config + capacity.PIN in capacity.CONFIGS
-    assert capacity.base_of(config + capacity.PIN) == "project-direct-x3"
-    assert capacity.levers_of(config + capacity.PIN)["pin"] is True
-    assert capacity.levers_of(config)["pin"] is False
-    assert capacity.ab_refusal([config, config + capacity.PIN], 4) is None
+    assert config + PIN in CONFIGS
+    assert base_of(config + PIN) == "project-direct-x3"
+    assert levers_of(config + PIN)["pin"] is True
+    assert levers_of(config)["pin"] is False
+    assert ab_refusal([config, config + PIN], 4) is None
 
 
 def test_the_host_fingerprint_counts_physical_cores() -> None:
-    topo = capacity.cpu_topology()
+    topo = cpu_topology()
     assert topo["usable_cpus"] == len(os.sched_getaffinity(0))
     assert 1 <= topo["physical_cores"] <= topo["usable_cpus"]
 
@@ -550,7 +565,7 @@ async def test_an_aged_ab_phase_keeps_its_gpu_samples_paired_with_their_stamps(
     """The first aged A/B on the H200 lost its whole phase to "zip() argument 2 is longer
     than argument 1": the GPU samples of the ageing were dropped and their stamps kept.
     STAND-INS: the front ends' pipe side, and GPU samples (ageing 10 %, windows 80/90 %)."""
-    monkeypatch.setattr(capacity, "WARM_S", 0.0)
+    monkeypatch.setattr("bench.capacity.orchestrate.WARM_S", 0.0)
 
     async def gpu(stop: asyncio.Event, out: list[float], stamps: list[float]) -> None:
         t = time.monotonic()
@@ -559,7 +574,7 @@ async def test_an_aged_ab_phase_keeps_its_gpu_samples_paired_with_their_stamps(
             stamps.append(t + dt)
         await stop.wait()
 
-    monkeypatch.setattr(capacity, "_gpu_util", gpu)
+    monkeypatch.setattr("bench.capacity.orchestrate._gpu_util", gpu)
 
     def window(t0: float, fps: float, said: dict[str, Any]) -> dict[str, Any]:
         return {"t0": t0, "t1": t0 + 1.0, "fps": [fps, fps], "said": said,
@@ -578,7 +593,7 @@ async def test_an_aged_ab_phase_keeps_its_gpu_samples_paired_with_their_stamps(
 
     fronts: Any = {1: Front(), 2: Front()}
     a, b = "project-direct-x2+melspec", "project-direct-x2+melspec+pin"
-    row = await capacity.run_config(fronts, a, 4, 1.0, ab=[a, b], windows=2)
+    row = await run_config(fronts, a, 4, 1.0, ab=[a, b], windows=2)
     assert row["ab"][a]["gpu_util_p50"] == 80.0 and row["ab"][b]["gpu_util_p50"] == 90.0
     assert row["ab"][a]["realtime_share"] == 1.0 and row["ab"][b]["realtime_share"] == 0.0
     assert row["gpu_util_p50"] == 85.0  # the ageing's 10 % samples are not the phase's
@@ -589,18 +604,18 @@ def test_a_stock_path_that_misses_the_first_level_still_gives_a_floor_for_the_ra
     is more than knee / first level (the H200 runs: stock 0 % at 96, the project ≥ 128)."""
     ladder = [96, 128]
     found: dict[str, int | None] = {"stock": None, "project-direct-x2": 128, "project": None}
-    assert capacity.knee_ratios_at_least(found, ladder) == {"project-direct-x2": 1.333,
-                                                           "project": None}
+    assert knee_ratios_at_least(found, ladder) == {"project-direct-x2": 1.333,
+                                                  "project": None}
     found = {"stock": 64, "project-direct-x2": 128}
-    assert capacity.knee_ratios_at_least(found, [64, 96, 128]) == {"project-direct-x2": 2.0}
+    assert knee_ratios_at_least(found, [64, 96, 128]) == {"project-direct-x2": 2.0}
     # without stock in the run there is nothing to compare with
-    assert capacity.knee_ratios_at_least({"project": 96}, [96]) == {"project": None}
+    assert knee_ratios_at_least({"project": 96}, [96]) == {"project": None}
 
 
 def test_a_front_end_process_writes_nothing_to_the_benchs_stdout() -> None:
     """The bench's stdout is its JSON: a front end's logs (its own and its children's,
     such as vLLM's engine core) go to stderr."""
-    code = ("import os; from bench.voxtral_capacity import stdout_to_stderr; "
+    code = ("import os; from bench.capacity.frontend import stdout_to_stderr; "
             "print('before'); stdout_to_stderr(); print('python log'); "
             "os.system('echo child process log')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -614,13 +629,13 @@ def test_a_front_end_process_writes_nothing_to_the_benchs_stdout() -> None:
 def test_an_in_phase_ab_takes_configurations_that_differ_only_in_their_levers() -> None:
     keys, blocks = ("project-direct-x2+melspec+tokens+keys",
                     "project-direct-x2+melspec+tokens+trim")
-    assert capacity.ab_refusal([keys, blocks], 4) is None
-    assert capacity.ab_windows([keys, blocks], 4) == [
+    assert ab_refusal([keys, blocks], 4) is None
+    assert ab_windows([keys, blocks], 4) == [
         {"melspec": True, "tokens": True, "trim": "keys", "pin": False},
         {"melspec": True, "tokens": True, "trim": "blocks", "pin": False}] * 2
-    assert "differ only" in str(capacity.ab_refusal([keys, "project-x2+melspec+tokens+keys"], 4))
-    assert "fewer than two" in str(capacity.ab_refusal([keys, blocks], 3))
-    assert "two or more" in str(capacity.ab_refusal([keys], 4))
+    assert "differ only" in str(ab_refusal([keys, "project-x2+melspec+tokens+keys"], 4))
+    assert "fewer than two" in str(ab_refusal([keys, blocks], 3))
+    assert "two or more" in str(ab_refusal([keys], 4))
 
 
 async def test_a_phase_with_windows_switches_before_each_and_measures_each(
@@ -628,8 +643,8 @@ async def test_a_phase_with_windows_switches_before_each_and_measures_each(
     """TEST DOUBLE: each session decodes every frame as it is pushed (no engine), so every
     window reads ~12.5 frames/s; the levers' switch is a recorder. What is checked is the
     order: sync before the clock, a switch before each window, windows one after another."""
-    monkeypatch.setattr(capacity, "WARM_S", 0.2)
-    monkeypatch.setattr(capacity, "SWITCH_SLACK_S", 0.2)
+    monkeypatch.setattr("bench.capacity.phase.WARM_S", 0.2)
+    monkeypatch.setattr("bench.capacity.phase.SWITCH_SLACK_S", 0.2)
     events: list[str] = []
     counts = [0, 0]
 
@@ -664,8 +679,8 @@ async def test_a_phase_with_windows_switches_before_each_and_measures_each(
 async def test_windows_are_fed_until_the_last_one_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """TEST DOUBLE as above. Switches slower than the slack planned for them: the feed goes
     on until the last window ends, so that window does not read sessions out of audio."""
-    monkeypatch.setattr(capacity, "WARM_S", 0.2)
-    monkeypatch.setattr(capacity, "SWITCH_SLACK_S", 0.0)
+    monkeypatch.setattr("bench.capacity.phase.WARM_S", 0.2)
+    monkeypatch.setattr("bench.capacity.phase.SWITCH_SLACK_S", 0.0)
     counts = [0]
 
     async def start(i: int) -> Any:
@@ -701,7 +716,7 @@ def test_ab_rows_give_each_configuration_its_own_windows() -> None:
                              window(22.5, [12.0], "A"), window(33.5, [9.2], "B")]}]
     util = [90.0, 70.0, 91.0, 71.0]
     stamps = [5.0, 16.0, 27.0, 38.0]
-    rows = capacity.ab_rows(["A", "B"], answers, [2, 1], util, stamps)
+    rows = ab_rows(["A", "B"], answers, [2, 1], util, stamps)
     a, b = rows["A"], rows["B"]
     assert a["windows"] == [1, 3] and b["windows"] == [2, 4]
     assert a["realtime_share"] == 1.0 and b["realtime_share"] == 0.0
@@ -737,7 +752,7 @@ async def test_front_ends_of_an_ab_start_their_windows_together() -> None:
         fronts, threads = [], []
         for i, (delay, fail) in enumerate(zip(delays, fails, strict=True)):
             ours, theirs = mp.Pipe()
-            fe = object.__new__(capacity.FrontEnd)
+            fe = object.__new__(FrontEnd)
             fe.conn, fe.index = ours, i
             fronts.append(fe)
             threads.append(threading.Thread(target=front, args=(theirs, delay, fail, log,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bench.capacity import render, results, rule
-from bench.voxtral_age import (
+from bench.capacity.ageing import (
     ALIGN,
     ageing_frames,
     ageing_outputs,
@@ -25,6 +25,8 @@ from bench.voxtral_age import (
     step_frames,
     tail_steps,
 )
+from bench.capacity.feed import Handle
+from bench.capacity.phase import _phase
 
 pytestmark = pytest.mark.unit
 
@@ -125,12 +127,10 @@ class RateDecoder:
 
 
 def test_phase_catches_a_slow_control_session_for_real() -> None:
-    from bench import voxtral_capacity as capacity
-
     audio = (np.arange(16000 * 4) % 200).astype(np.int16)
     decoders: list[RateDecoder] = []
 
-    async def start(i: int) -> capacity.Handle:
+    async def start(i: int) -> Handle:
         d = RateDecoder()
         decoders.append(d)
         return d.push, (lambda: d.outputs), d.close
@@ -138,7 +138,7 @@ def test_phase_catches_a_slow_control_session_for_real() -> None:
     async def counters() -> dict[str, object]:
         return {"reanchors": 3 * len(decoders), "shift_by_request": {}}
 
-    result = asyncio.run(capacity._phase(2, 7.0, audio, start, controls=1,
+    result = asyncio.run(_phase(2, 7.0, audio, start, controls=1,
                                          control_speed=0.8, counters=counters, warm_s=1.0))
     assert [s["session"] for s in result["sessions"]] == [0, 1]
     for s in result["sessions"]:
@@ -154,16 +154,14 @@ def test_phase_catches_a_slow_control_session_for_real() -> None:
 def test_phase_cut_to_its_deadline() -> None:
     import time
 
-    from bench import voxtral_capacity as capacity
-
     audio = (np.arange(16000 * 4) % 200).astype(np.int16)
 
-    async def start(i: int) -> capacity.Handle:
+    async def start(i: int) -> Handle:
         d = RateDecoder()
         return d.push, (lambda: d.outputs), d.close
 
     t = time.time()
-    result = asyncio.run(capacity._phase(1, 600.0, audio, start, warm_s=0.5,
+    result = asyncio.run(_phase(1, 600.0, audio, start, warm_s=0.5,
                                          deadline=time.time() - 100))
     assert result["seconds_planned"] == 600.0 and result["seconds_fed"] == 5.5
     assert time.time() - t < 15

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import voxtral_capacity as capacity
+from bench.capacity.host import host_fingerprint
 from tests.fake_vllm import FakeVllmBackend, started_health
 from workers.engines.base import EngineError
 from workers.engines.vllm.checks import engine_core_pids
@@ -99,7 +99,7 @@ def test_the_daemon_answers_with_its_servers_and_their_clients_or_there_is_no_mp
     assert mps_servers() is None and mps_clients("4242") is None
     control = stand_in(tmp_path, ANSWERS, monkeypatch)
     assert mps_servers() == ["4242"]
-    assert capacity.host_fingerprint()["mps"] == ["4242"]  # the bench says it too
+    assert host_fingerprint()["mps"] == ["4242"]  # the bench says it too
     control.write_text("#!/bin/sh\nread cmd\n")  # a daemon up, no server started yet
     assert mps_servers() == []
     control.write_text("#!/bin/sh\nexit 1\n")  # no daemon answers

@@ -10,13 +10,13 @@ measures one level: the knee is read across calls (bench/capacity/rule.py `knee`
 tables in bench/capacity/render.py).
 
 What it does:
-- starts the configuration's engines, one process each (bench.voxtral_capacity's front
-  ends), each with `--gpu-memory-utilization / engines` of the GPU: `project…-xN` runs
+- starts the configuration's engines, one process each (bench/capacity/frontend.py's
+  front ends), each with `--gpu-memory-utilization / engines` of the GPU: `project…-xN` runs
   the project's engine (re-anchoring plugin, the levers its name lists); `stock-xN` runs
   vLLM as its own realtime server path does (`transcribe_realtime`, no plugin, no
   direct input, no levers, rolled over by the client at max_model_len), N engines with
   the same memory share as the project configuration it is compared with;
-- project sessions are aged `--age-min` minutes through bulk steps (bench.voxtral_age),
+- project sessions are aged `--age-min` minutes through bulk steps (bench/capacity/ageing.py),
   each with one more step of its share of a re-anchor cycle (`--stagger-every`, the
   engine's `reanchor_every`), so their ages spread evenly over the cycle and re-anchors
   happen throughout the measured phase (counted: `reanchors_in_phase`), and the model's
@@ -53,13 +53,13 @@ KIND = "capacity_strict"
 
 
 def engines_of_config(config: str) -> int:
-    from bench.voxtral_capacity import engines_of
+    from bench.capacity.configs import engines_of
 
     return int(engines_of(config))
 
 
 def is_stock(config: str) -> bool:
-    from bench.voxtral_capacity import base_of
+    from bench.capacity.configs import base_of
 
     return base_of(config).split("-x")[0] == "stock"
 
@@ -144,12 +144,9 @@ async def stop_all(fronts: dict[int, Any]) -> None:
 async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     """The stamped result; written to `--out` before the engines are stopped, so a call
     that runs out of time while they stop keeps its measurement."""
-    from bench.voxtral_capacity import (
-        FrontEnd,
-        _gpu_util,
-        engines_of,
-        levers_of,
-    )
+    from bench.capacity.configs import engines_of, levers_of
+    from bench.capacity.frontend import FrontEnd
+    from bench.capacity.host import _gpu_util
 
     t_start = time.time()
     deadline = t_start + args.deadline_s if args.deadline_s else None
@@ -212,7 +209,8 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
 
 def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
             stamps: list[float], started: dict[int, Any], t_start: float) -> dict[str, Any]:
-    from bench.voxtral_capacity import host_fingerprint, levers_of
+    from bench.capacity.configs import levers_of
+    from bench.capacity.host import host_fingerprint
 
     config, n = args.config, args.streams
     levers = levers_of(config)
@@ -249,7 +247,7 @@ def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench.voxtral_capacity import CONFIGS
+    from bench.capacity.configs import CONFIGS
 
     stock_xn = [f"stock-x{k}" for k in (2, 3, 4)]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

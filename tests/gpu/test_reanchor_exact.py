@@ -64,7 +64,7 @@ MODEL_DIR = gpu_tier()
 
 import psutil  # noqa: E402
 
-from bench.voxtral_age import aged_prompts, lead_frames  # noqa: E402
+from bench.capacity.ageing import aged_prompts, lead_frames  # noqa: E402
 from tests.gpu.voxtral_model import short_window_copy  # noqa: E402
 from tests.speech import AUDIO  # noqa: E402
 from workers.engines.vllm.engine import VllmEngineOptions, VllmVoxtralEngine  # noqa: E402
@@ -237,7 +237,7 @@ def _core_pids() -> list[int]:
 
 
 async def eight_hours(engine: VllmVoxtralEngine, audio: np.ndarray) -> dict[str, Any]:
-    """One session bulk-fed HOURS of audio with re-anchoring (bench.voxtral_age's bulk
+    """One session bulk-fed HOURS of audio with re-anchoring (bench/capacity/ageing.py's bulk
     steps, aligned to the KV block unit), then TAIL one-frame steps; then a never-moved
     reference fed the same audio's last REF_FRAMES + TAIL frames the same way. Memory of
     the engine core and this process at 1 hour and at the end; the worker's live blocks
