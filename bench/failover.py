@@ -41,17 +41,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
-import math
 import os
 import signal
 import sys
 import tempfile
 import time
 import wave
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,152 +56,27 @@ import jiwer
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.failover_faults import (  # noqa: E402
+    Fault,
+    _killable_actor_class,
+    node_pids,
+    pid_state,
+    redis_ports_of,
+    signal_all,
+)
+from bench.failover_rules import (  # noqa: E402
+    against_control,
+    finals_doubled,
+    longest_silence,
+    percentile,
+    seq_contiguous,
+)
+
 MODES = ("engine_loss", "actor_loss", "node_vanish", "node_freeze", "ingest_loss")
 NODE_MODES = ("node_vanish", "node_freeze")
 SETTLE_S = 45.0
 """After the speech: how long the streams get to finish their last sentence (a spare that
 took over 8 streams replays their audio from the cursor on 2 cores)."""
-
-
-# ---- pure bookkeeping (tests/test_bench_failover_rules.py) ---------------------------
-def longest_silence(times: Iterable[float], start: float, end: float) -> float:
-    """The longest stretch in [start, end] without a caption time: from the fault to the
-    first caption after it, between captions, and from the last one to `end` (the end of
-    the speech: a stream that never captions again is silent all the way)."""
-    inside = sorted(t for t in times if start < t <= end)
-    marks = [start, *inside, end]
-    return max(b - a for a, b in itertools.pairwise(marks))
-
-
-def seq_contiguous(seqs: Sequence[int]) -> bool:
-    """Seq numbers as published: 1, 2, ..., n, no gap and no repeat."""
-    return list(seqs) == list(range(1, len(seqs) + 1))
-
-
-def finals_doubled(final_segment_ids: Sequence[int]) -> int:
-    return len(final_segment_ids) - len(set(final_segment_ids))
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def pid_state(pid: int) -> str:
-    """'gone', 'zombie', 'stopped' or 'running' (psutil's other states count as running)."""
-    import psutil
-
-    try:
-        status = psutil.Process(pid).status()
-    except psutil.NoSuchProcess:
-        return "gone"
-    if status == psutil.STATUS_ZOMBIE:
-        return "zombie"
-    if status == psutil.STATUS_STOPPED:
-        return "stopped"
-    return "running"
-
-
-@dataclass
-class Fault:
-    """What a fault did, checked: `happened` only when pids were found and each was then
-    seen in the wanted state."""
-
-    kind: str
-    pids: list[int] = field(default_factory=list)
-    states: dict[int, str] = field(default_factory=dict)
-    at: float = 0.0
-
-    def check(self, want: str) -> bool:
-        """want: 'dead' (gone or zombie), 'stopped' or 'running' (woken)."""
-        self.states = {p: pid_state(p) for p in self.pids}
-        ok = {"dead": {"gone", "zombie"}, "stopped": {"stopped"}, "running": {"running"}}[want]
-        return bool(self.pids) and all(s in ok for s in self.states.values())
-
-
-def signal_all(pids: Sequence[int], sig: int, want: str, wait_s: float = 5.0) -> Fault:
-    """Send `sig` to every pid at once, then wait until each is in `want`."""
-    fault = Fault(kind=signal.Signals(sig).name, pids=list(pids), at=time.time())
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-    deadline = time.monotonic() + wait_s
-    while not fault.check(want) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return fault
-
-
-def node_pids(node: Any) -> list[int]:
-    """Every process of a node started by Ray's cluster utilities: the processes it
-    started (raylet, agents, log monitor) and all their descendants (the workers)."""
-    import psutil
-
-    roots = [info.process.pid for infos in node.all_processes.values() for info in infos
-             if info.process is not None]
-    out: set[int] = set()
-    for pid in roots:
-        try:
-            proc = psutil.Process(pid)
-            out.add(pid)
-            out.update(c.pid for c in proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            continue
-    return sorted(out)
-
-
-def redis_ports_of(pids: Sequence[int], redis_port: int) -> set[int]:
-    """The local ports of the processes' connections to Redis (to tell their commands
-    apart in MONITOR)."""
-    import psutil
-
-    ports: set[int] = set()
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            for c in psutil.Process(pid).net_connections(kind="tcp"):
-                if c.raddr and c.raddr.port == redis_port:
-                    ports.add(c.laddr.port)
-    return ports
-
-
-# ---- FAULT INJECTION: an embedded engine that can die inside its actor -----------------
-def _killable_actor_class() -> Any:
-    from orchestrator.ray_actors import AsrActor
-    from workers.asr import AsrHost
-    from workers.engines.base import WrappedEngine
-
-    class KillableEngine(WrappedEngine):
-        """FAULT INJECTION (bench only): `kill()` unloads the real model and shuts its
-        decode thread down, so sessions fail, and reports the engine dead from then on."""
-
-        dead = False
-
-        async def kill(self) -> bool:
-            await self.inner.aclose()
-            self.dead = True
-            return getattr(self.inner, "_model", None) is None
-
-        async def check_health(self) -> bool:
-            return not self.dead and await self.inner.check_health()
-
-        def open_session(self, options: Any) -> Any:
-            return self.inner.open_session(options)
-
-    class KillableEngineAsrActor(AsrActor):
-        def __init__(self, options: Any, engine: Any) -> None:
-            super().__init__(options, engine)
-            assert isinstance(self.host, AsrHost)
-            self.killable = KillableEngine(self.host.engine)
-            self.host.engine = self.killable
-
-        async def kill_engine(self) -> dict[str, Any]:
-            return {"pid": os.getpid(), "unloaded": await self.killable.kill()}
-
-    return KillableEngineAsrActor
 
 
 # ---- one round -----------------------------------------------------------------------
@@ -506,19 +377,6 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
 
 def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
-
-
-def against_control(row: dict[str, Any], control: dict[str, Any]) -> None:
-    """Words lost/doubled: each stream's deletions/insertions beyond those of the control
-    stream with the same index (same audio, same place in the round)."""
-    lost = [p["deletions"] - c["deletions"]
-            for p, c in zip(row["_per_stream"], control["_per_stream"], strict=True)]
-    doubled = [p["insertions"] - c["insertions"]
-               for p, c in zip(row["_per_stream"], control["_per_stream"], strict=True)]
-    row["words_lost_vs_control"] = sum(lost)
-    row["words_lost_vs_control_max_stream"] = max(lost)
-    row["words_doubled_vs_control"] = sum(doubled)
-    row["words_doubled_vs_control_max_stream"] = max(doubled)
 
 
 def _commit() -> str | None:

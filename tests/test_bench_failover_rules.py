@@ -10,13 +10,12 @@ import sys
 
 import pytest
 
-from bench.failover import (
-    Fault,
+from bench.failover_faults import Fault, signal_all
+from bench.failover_rules import (
     finals_doubled,
     longest_silence,
     percentile,
     seq_contiguous,
-    signal_all,
 )
 from bench.soak import finals_lost, kill_verified, role_growth, seq_audit
 
