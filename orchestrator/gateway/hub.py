@@ -142,7 +142,7 @@ class CaptionHub:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
         if self._pubsub is not None:
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
 
     async def subscribe(self, key: str, queue: ClientQueue) -> None:
         """Returns once Redis has confirmed the subscription: anything published
