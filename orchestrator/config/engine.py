@@ -79,9 +79,11 @@ class VllmConfig(_Strict):
                     "held more than one (one engine's per-chunk Python work bounded it); "
                     "three, with fp8 KV and window_trim's keys mode, held 104 sessions aged "
                     "30 min where two held 88; four no more new ones than two "
-                    "(bench.voxtral_capacity, README). Run CUDA MPS on the GPU node when "
+                    "(bench.voxtral_capacity, docs/gpu.md). Run CUDA MPS on the GPU node when "
                     "engines share a GPU: three at 112 aged made 12.15 frames/s per session "
-                    "with it, 9.58 without (README, CUDA MPS)")
+                    "with it, 9.58 without (docs/gpu.md, CUDA MPS). These figures were "
+                    "judged at 96 % of real time over seconds; by the strict keep-up rule "
+                    "110 aged on three engines did not keep up (under review, docs/gpu.md)")
     cuda_mps: bool = Field(
         default=False,
         description="the GPU nodes run CUDA MPS (their operator starts "
@@ -90,7 +92,9 @@ class VllmConfig(_Strict):
                     "a client of the daemon's server) refuses to start instead of running "
                     "slower than its budget, and with fp8 and three engines per GPU "
                     "the default streams_per_actor is the knee measured under MPS, 36 (110 "
-                    "sessions aged 30 min held per H200, 2026-12-03; 34 without)")
+                    "sessions aged 30 min held per H200, 2026-12-03, at 96 % of real time; "
+                    "34 without). Not yet a strict knee: by the keep-up rule 0 of 110 kept "
+                    "up (bench/results/capacity_h200); set streams_per_actor lower for margin")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
@@ -114,14 +118,14 @@ class VllmConfig(_Strict):
                     "(vLLM 0.26's makes a device tensor per chunk, which waits for the "
                     "stream); switched on only where it is bitwise equal to vLLM's. On the "
                     "H200 it took 48 sessions aged 30 min from 0 % to 100 % real time on "
-                    "two engines (bench.voxtral_capacity +melspec, README)")
+                    "two engines (bench.voxtral_capacity +melspec, docs/gpu.md)")
     incremental_token_writes: bool = Field(
         default=True,
         description="stage a streaming session's token history on the GPU once instead of "
                     "again at every 80 ms chunk (vLLM 0.26's V2 runner rewrites it whole); "
                     "switched on only where a check on the GPU leaves the rows as vLLM's "
                     "writes would. On the H200 it took 56 sessions aged 30 min from 0 % to "
-                    "100 % real time on two engines (bench.voxtral_capacity +tokens, README)")
+                    "100 % real time on two engines (bench.voxtral_capacity +tokens, docs/gpu.md)")
     window_trim: bool = Field(
         default=True,
         description="hand FlashAttention only the KV blocks each session's sliding window "
@@ -129,7 +133,7 @@ class VllmConfig(_Strict):
                     "and a slid window costs FA3 more); switched on only where a check on "
                     "the GPU finds the trimmed call as accurate as vLLM's. On the H200 it "
                     "took 88 sessions aged 30 min from 0 % to 96.6 % real time on two "
-                    "engines, fp8, in one run (bench.voxtral_capacity +trim, README). Its "
+                    "engines, fp8, in one run (bench.voxtral_capacity +trim, docs/gpu.md). Its "
                     "'keys' mode (FA3's leftpad_k; taken where its check passes) runs an "
                     "aged decode step at the cost of 8,192 positions from the start: "
                     "1.38-1.81x vLLM's call on an aged decoder layer, fp8 (bench.fa_kernels "

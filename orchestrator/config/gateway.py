@@ -26,7 +26,7 @@ class GatewayConfig(_Strict):
         default="auto",
         description="gateway processes serving the port (SO_REUSEPORT), 1-64; 'auto': one "
                     "per core, at most 16. /metrics and /v1/status count them all; the "
-                    "connection caps hold per process; see README, Gateway workers")
+                    "connection caps hold per process; see docs/deployment.md, Gateway workers")
 
     @field_validator("workers", mode="before")
     @classmethod

@@ -23,7 +23,7 @@ Stream). Each worker gets the parent-death signal, so none outlives its parent.
 `/metrics` and `/v1/status`'s client counts cover every worker, whichever answers:
 each worker also listens on a private Unix socket in a folder worker 0 creates (mode
 0700; its path travels in `WorkerSpec.group`), and worker 0 sums the others' figures
-(`metrics_merge`). What stays per process (see README, "Gateway workers"): the
+(`metrics_merge`). What stays per process (see docs/deployment.md, "Gateway workers"): the
 connection caps (`max_ws_per_ip`, `max_viewers_per_stream`, `max_connections` hold per
 worker, so the port takes up to N times each). The one-publisher-per-push-stream rule is
 held in Redis (`gateway.publishers`), so it holds across workers and machines.

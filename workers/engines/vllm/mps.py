@@ -7,7 +7,7 @@ the H200 (vLLM 0.26.0, random weights, three engines with fp8 KV and the "keys" 
 production feed, 112 sessions aged 30 min, two runs back to back on one host,
 2026-12-03): 9.58 frames/s per session p50 without MPS (0 of 112 real time, GPU 100 %
 busy), 12.15 with it (75 of 112); 110 held under MPS (110 of 110 over the phase, one run).
-README, *CUDA MPS*. An operator whose GPU nodes run MPS says so (`engine.vllm.cuda_mps`):
+docs/gpu.md, *CUDA MPS*. An operator whose GPU nodes run MPS says so (`engine.vllm.cuda_mps`):
 the budget is then the knee measured under MPS, and an engine that MPS does not serve
 refuses to start.
 
@@ -107,4 +107,4 @@ def mps_advice(engines_per_gpu: int, on: bool) -> str | None:
         return None
     return (f"{engines_per_gpu} engines share this GPU without CUDA MPS, so their kernels "
             f"take turns ({MEASURED}): start `{CONTROL} -d` on the GPU node before the "
-            f"engines (README, CUDA MPS)")
+            f"engines (docs/gpu.md, CUDA MPS)")
