@@ -52,10 +52,10 @@ from bench.capacity import results, rule  # noqa: E402
 KIND = "capacity_strict"
 
 
-def engines_of_config(config: str) -> int:
-    from bench.capacity.configs import engines_of
-
-    return int(engines_of(config))
+def age_frames_of(args: argparse.Namespace) -> int:
+    """Frames each project session is aged before the phase, in whole bulk steps (768);
+    stock sessions start new."""
+    return 0 if is_stock(args.config) else int(args.age_min * 60 / 0.08) // 768 * 768
 
 
 def is_stock(config: str) -> bool:
@@ -156,7 +156,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
     share = shares(n, engines)
     fronts: dict[int, FrontEnd] = {}
     started: dict[int, Any] = {}
-    age_frames = 0 if stock else int(args.age_min * 60 / 0.08) // 768 * 768
+    age_frames = age_frames_of(args)
     FrontEnd.age_concurrency = args.age_concurrency
     levers = levers_of(config)
     try:
@@ -209,15 +209,15 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
 
 def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
             stamps: list[float], started: dict[int, Any], t_start: float) -> dict[str, Any]:
-    from bench.capacity.configs import levers_of
+    from bench.capacity.configs import engines_of, levers_of
     from bench.capacity.host import host_fingerprint
 
     config, n = args.config, args.streams
     levers = levers_of(config)
-    engines = engines_of_config(config)
+    engines = engines_of(config)
     stock = is_stock(config)
     ok = [a for a in answers if isinstance(a, dict)]
-    age_frames = 0 if stock else int(args.age_min * 60 / 0.08) // 768 * 768
+    age_frames = age_frames_of(args)
     aged_s = max((a.get("aged_in_s") or 0.0) for a in ok)
     t_measured = min(stamps) + aged_s + args.warm if stamps else 0.0
     util = [u for u, t in zip(util, stamps, strict=True) if t >= t_measured] or util
