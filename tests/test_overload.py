@@ -100,12 +100,14 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
     engine = EmbeddedWhisperEngine(options)
     await engine.start()
     try:
-        cal = await measure(engine)
+        # The lower of two: a measurement slowed by something else on the host (Ray
+        # starting its workers) would feed fewer rooms than overload it.
+        busy = min([(await measure(engine)).busy_per_stream for _ in range(2)])
     finally:
         await engine.aclose()
-    rooms = [f"room-{i}" for i in range(rooms_for(cal.busy_per_stream))]
+    rooms = [f"room-{i}" for i in range(rooms_for(busy))]
     stay = rooms[:2]  # fed on after the load drops
-    print(f"overload: one stream busies the decode thread {cal.busy_per_stream:.3f}; "
+    print(f"overload: one stream busies the decode thread {busy:.3f}; "
           f"feeding {len(rooms)} rooms")
     pcm, _ = talk((LOAD_S + AFTER_S) / 60 + 0.1)
     actor = ray.remote(num_cpus=0)(AsrActor).remote(
