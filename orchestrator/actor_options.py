@@ -116,4 +116,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
     return EmbeddedEngineOptions(
         model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s,
         final_pass=e.final_pass, final_beam_size=e.final_beam_size,
+        final_prompt_words=e.final_prompt_words, final_context_s=e.final_context_s,
+        unfinished_pause_s=e.unfinished_pause_s, final_beam_max_busy=e.final_beam_max_busy,
+        calibrate=e.calibrate,
     )

@@ -132,6 +132,20 @@ def _stream_dump(s: StreamConfig) -> dict[str, Any]:
     return {**s.model_dump(mode="json"), "source": s.resolved_source}
 
 
+def keep_running_budget(old: EventConfig, new: EventConfig) -> EventConfig:
+    """`new`, with the running event's `engine.streams_per_actor` where neither file sets
+    it: the embedded default with `engine.calibrate` moves once the event's first start
+    has measured the host (orchestrator/capacity.py), and that takes effect at the next
+    start rather than refusing every apply as an engine change."""
+    set_in = old.engine.model_fields_set | new.engine.model_fields_set
+    if ("streams_per_actor" in set_in or old.engine.kind != new.engine.kind
+            or old.engine.streams_per_actor == new.engine.streams_per_actor):
+        return new
+    engine = new.engine.model_copy(update={"streams_per_actor": old.engine.streams_per_actor})
+    engine.model_fields_set.discard("streams_per_actor")  # still the file's default
+    return new.model_copy(update={"engine": engine})
+
+
 def plan(old: EventConfig, new: EventConfig,
          environ: dict[str, str] | None = None) -> Plan:
     """What applying `new` to a running `old` does, or why it cannot (`refused`)."""
@@ -270,6 +284,7 @@ class ApplyController:
     async def apply(self, new: EventConfig) -> dict[str, Any]:
         rt = self.runtime
         old = rt.cfg
+        new = keep_running_budget(old, new)
         p = plan(old, new)
         summary: dict[str, Any] = {
             "event": old.event, "added": [s.id for s in p.added],

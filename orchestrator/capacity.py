@@ -58,8 +58,15 @@ suggests until they are.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engines.embedded import EmbeddedEngineOptions
+
+log = logging.getLogger(__name__)
 
 REALTIME_STREAMS_PER_CORE = {"whisper-base": 1.5, "tiny.en": 3.0}
 VLLM_STREAMS_PER_ACTOR = 18
@@ -89,3 +96,29 @@ def default_streams_per_actor(model: str, cpu_threads: int, actors: int,
     usable = max(1, min(cpu_threads, host // max(1, actors)))
     per_core = REALTIME_STREAMS_PER_CORE.get(model, REALTIME_STREAMS_PER_CORE["whisper-base"])
     return max(1, math.floor(per_core * usable))
+
+
+def calibrated_streams_per_actor(options: EmbeddedEngineOptions, actors: int,
+                                 cores: int | None = None) -> int:
+    """Streams per actor for an embedded engine with `calibrate` on (`engine.calibrate:
+    true`, `streams_per_actor` unset): the figure this host measured for these engine
+    options, else `default_streams_per_actor`'s per-core constant.
+
+    The figure is `workers.engines.calibrate`'s: each actor measures at start how many
+    streams its engine keeps in real time here and caches it (`calibrate.cache_path()`:
+    `$XDG_CACHE_HOME/babelcast/calibration.json`, else `~/.cache/...`) under a key of the
+    CPU, the runtime and the options that set one stream's decode work. Here it is only
+    read (`calibrate.cached`, no model load), and it is already per actor (one engine's
+    decode thread). It is the cache of the host that loads the event file: an event whose
+    actors run there takes, from its second start, what its first measured; until then
+    (or once the figure is older than `calibrate.MAX_AGE_S`, or for options never measured
+    here) the constant stands. The figure was measured with the engine alone on the host;
+    actors sharing its cores each keep fewer."""
+    from workers.engines.calibrate import cache_path, cached
+
+    hit = cached(options)
+    if hit is not None:
+        log.info("streams_per_actor %d: calibrated on this host (%s)", hit.streams,
+                 cache_path())
+        return hit.streams
+    return default_streams_per_actor(options.model, options.cpu_threads, actors, cores)

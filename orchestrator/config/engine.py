@@ -214,8 +214,10 @@ class EngineConfig(_Strict):
     streams_per_actor: int = Field(
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "
-                    "host's cores sustain in real time for the model, vllm its measured knee "
-                    "for sessions aged 30 min (18; orchestrator/capacity.py), other engines 4")
+                    "host's cores sustain in real time for the model (with calibrate: true, "
+                    "the figure this host measured for these options, if cached), vllm its "
+                    "measured knee for sessions aged 30 min (18; orchestrator/capacity.py), "
+                    "other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
@@ -225,6 +227,34 @@ class EngineConfig(_Strict):
                     "a pause (most accurate); agreement: finals as two interim decodes agree")
     final_beam_size: int = Field(default=1, ge=1, le=10,
                                  description="embedded: beam of the final pass")
+    final_prompt_words: int = Field(
+        default=0, ge=0, le=224, examples=[20],
+        description="embedded only, utterance mode: prompt each final pass with up to this "
+                    "many words the stream committed before its audio (Whisper's "
+                    "initial_prompt; a session keeps 224); 0: no prompt")
+    final_context_s: float = Field(
+        default=0.0, ge=0, le=28, examples=[5.0],
+        description="embedded only, utterance mode: the final pass also reads up to this "
+                    "many seconds of the (already final) audio before the utterance, while "
+                    "the whole read fits Whisper's 30 s window, and drops the words it hears "
+                    "there; 0: the utterance alone")
+    unfinished_pause_s: float | None = Field(
+        default=None, gt=0, le=30, examples=[1.0],
+        description="embedded only, utterance mode: a pause of pause_s ends an utterance "
+                    "only where its newest interim ends a sentence, else it runs on until a "
+                    "pause this long (longer than pause_s); null: every pause_s pause ends it")
+    final_beam_max_busy: float | None = Field(
+        default=None, ge=0, le=1, examples=[0.5],
+        description="embedded only: the final pass uses final_beam_size only while the "
+                    "decode thread was busy at most this fraction of the last 20 s, else "
+                    "greedy (beam where there is headroom); null: always final_beam_size")
+    calibrate: bool = Field(
+        default=False,
+        description="embedded only: each actor measures at start how many streams this "
+                    "host keeps in real time with these options (a few seconds, cached per "
+                    "host in $XDG_CACHE_HOME/babelcast/calibration.json) and reports it in "
+                    "status; with streams_per_actor unset, the default is the figure cached "
+                    "on the host that loads the event file, if any, else the per-core one")
     session: SessionConfig = Field(default_factory=SessionConfig,
                                    description="session manager: rollover, rut watchdog, pacing")
     vllm: VllmConfig | None = Field(default=None, description="vllm engine settings")
@@ -232,16 +262,16 @@ class EngineConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _default_streams(cls, data: Any) -> Any:
-        # Measured per model and core (orchestrator/capacity.py): never past the knee.
+        # Measured per engine (orchestrator/capacity.py): never past the knee. The vllm knee
+        # reads the raw vllm section (before its defaults); the embedded one is set once its
+        # fields are valid (_default_embedded_streams).
         if isinstance(data, dict) and data.get("streams_per_actor") is None:
-            from orchestrator.capacity import default_streams_per_actor, vllm_streams_per_actor
-
             if data.get("kind") == "vllm":
+                from orchestrator.capacity import vllm_streams_per_actor
+
                 data = {**data, "streams_per_actor": vllm_streams_per_actor(data.get("vllm"))}
             elif data.get("kind", "embedded") == "embedded":
-                data = {**data, "streams_per_actor": default_streams_per_actor(
-                    str(data.get("model", "whisper-base")), data.get("cpu_threads", 2),
-                    data.get("actors", 1))}
+                data = {k: v for k, v in data.items() if k != "streams_per_actor"}
         return data
 
     @model_validator(mode="after")
@@ -260,4 +290,46 @@ class EngineConfig(_Strict):
             raise _fail("url is only for engine kind realtime-ws")
         if self.token_env is not None and self.kind != "realtime-ws":
             raise _fail("token_env is only for engine kind realtime-ws")
+        if self.kind != "embedded":
+            _raise_at("EngineConfig", [
+                ((k,), f"only for engine kind embedded (this engine is {self.kind}); "
+                       "remove this key", getattr(self, k))
+                for k in EMBEDDED_ONLY if k in self.model_fields_set])
+        if (self.unfinished_pause_s is not None
+                and self.unfinished_pause_s <= self.pause_s):
+            _raise_at("EngineConfig", [(("unfinished_pause_s",), (
+                f"must be longer than pause_s ({self.pause_s}): a pause of pause_s already "
+                f"ends every utterance"), self.unfinished_pause_s)])
         return self
+
+    @model_validator(mode="after")
+    def _default_embedded_streams(self) -> Self:
+        if self.kind != "embedded" or "streams_per_actor" in self.model_fields_set:
+            return self
+        from orchestrator.capacity import calibrated_streams_per_actor, default_streams_per_actor
+
+        if self.calibrate:
+            from workers.engines.embedded import EmbeddedEngineOptions
+
+            # The options the actor's engine gets (actor_options.engine_options), so the
+            # figure looked up is the one the engine itself caches.
+            self.streams_per_actor = calibrated_streams_per_actor(EmbeddedEngineOptions(
+                model=self.model, cpu_threads=self.cpu_threads, step_s=self.step_s,
+                pause_s=self.pause_s, final_pass=self.final_pass,
+                final_beam_size=self.final_beam_size,
+                final_prompt_words=self.final_prompt_words,
+                final_context_s=self.final_context_s,
+                unfinished_pause_s=self.unfinished_pause_s,
+                final_beam_max_busy=self.final_beam_max_busy, calibrate=True), self.actors)
+        else:
+            self.streams_per_actor = default_streams_per_actor(self.model, self.cpu_threads,
+                                                               self.actors)
+        # Still a default, not the operator's: a hot apply keeps the running budget when a
+        # calibrated default moved since the start (orchestrator/apply.py).
+        self.model_fields_set.discard("streams_per_actor")
+        return self
+
+
+EMBEDDED_ONLY = ("final_prompt_words", "final_context_s", "unfinished_pause_s",
+                 "final_beam_max_busy", "calibrate")
+"""Engine keys that only the embedded engine reads: set with another kind, an error."""
