@@ -194,7 +194,7 @@ def _actor(actor_id: str, h: Mapping[str, str], now: float) -> dict[str, Any]:
                    # behind (more streams than it carries).
                    max_caption_lag_s=_round(_num(h, "max_caption_lag_s"), 1),
                    streams_behind=int(_num(h, "streams_behind") or 0),
-                   # what the embedded engine measured this host to carry (calibrate.py)
+                   # what the embedded engine measured this host to carry (engines/calibrate)
                    calibrated_streams=int(_num(h, "calibrated_streams") or 0) or None)
     elif out["role"] == "translator":
         out.update(finals_published=int(_num(h, "finals_published") or 0),

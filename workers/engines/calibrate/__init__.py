@@ -25,35 +25,34 @@ options that set the work per stream. `calibration(...)` returns the cached figu
 it is younger than `MAX_AGE_S`, else measures and caches. A figure measured while the
 host was busy with other work is low; delete the file (or pass `refresh`) to measure
 again.
+
+The engine (`workers.engines.embedded`) calibrates itself at start when its options ask
+for it, so this module knows it only as a `CalibratedEngine`. `python -m
+workers.engines.calibrate` (`__main__.py`) starts an engine and prints its figure.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
 import math
 import os
 import platform
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
-from workers.engines.base import SessionOptions
-from workers.engines.embedded import (
-    EmbeddedEngineOptions,
-    EmbeddedWhisperEngine,
-    EmbeddedWhisperSession,
-)
+from workers.engines.base import RecognizeSession, SessionOptions
+from workers.engines.embedded_options import EmbeddedEngineOptions
+from workers.engines.embedded_session import EmbeddedWhisperSession
 from workers.events import SAMPLE_RATE, AudioChunk
 
 TARGET_BUSY = 0.7
 """Share of the decode thread the calibrated streams may take together."""
 CALIBRATION_S = 12.0
-SPEECH = Path(__file__).resolve().parents[2] / "examples" / "audio" / "room-b.flac"
+SPEECH = Path(__file__).resolve().parents[3] / "examples" / "audio" / "room-b.flac"
 """The reference set's second room (LibriVox, public domain): a reader with pauses, as a
 talk has."""
 MAX_AGE_S = 30 * 86400.0
@@ -62,6 +61,19 @@ COST_FIELDS = ("model", "cpu_threads", "beam_size", "final_beam_size", "step_s",
                "max_window_s", "final_pass", "final_encode_s", "final_prompt_words",
                "final_context_s", "unfinished_pause_s", "final_beam_max_busy")
 """The engine options that change the decode work of one stream."""
+
+
+class CalibratedEngine(Protocol):
+    """What calibration needs of the engine (`EmbeddedWhisperEngine`, started): its
+    options, an `EmbeddedWhisperSession` to play speech through, and its decode thread's
+    busy seconds (`stats()["decode_busy_s"]`)."""
+
+    @property
+    def options(self) -> EmbeddedEngineOptions: ...
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession: ...
+
+    def stats(self) -> dict[str, float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +137,7 @@ def calibration_speech(path: Path = SPEECH) -> bytes:
     return bytes(out[: int(CALIBRATION_S * SAMPLE_RATE) * 2])
 
 
-async def measure(engine: EmbeddedWhisperEngine, pcm: bytes | None = None) -> Calibration:
+async def measure(engine: CalibratedEngine, pcm: bytes | None = None) -> Calibration:
     """Play speech through a session of the started `engine` in lock step and read how
     busy one stream keeps its decode thread."""
     pcm = calibration_speech() if pcm is None else pcm
@@ -186,7 +198,7 @@ def store(cal: Calibration, path: Path | None = None) -> None:
     tmp.replace(path)  # atomic: actors starting together never read half a file
 
 
-async def calibration(engine: EmbeddedWhisperEngine, path: Path | None = None, *,
+async def calibration(engine: CalibratedEngine, path: Path | None = None, *,
                       refresh: bool = False) -> Calibration:
     """The cached figure for `engine`'s options on this host, or a fresh measurement on
     the started `engine` (then cached)."""
@@ -197,29 +209,3 @@ async def calibration(engine: EmbeddedWhisperEngine, path: Path | None = None, *
     cal = await measure(engine)
     store(cal, path)
     return cal
-
-
-async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    engine = EmbeddedWhisperEngine(EmbeddedEngineOptions(model=args.model,
-                                                         cpu_threads=args.threads))
-    await engine.start()
-    try:
-        cal = await calibration(engine, refresh=args.refresh)
-    finally:
-        await engine.aclose()
-    return {**dataclasses.asdict(cal), "key": json.loads(cal.key), "target_busy": TARGET_BUSY,
-            "cache": str(cache_path())}
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="whisper-base", choices=["whisper-base", "tiny.en"])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--refresh", action="store_true", help="measure even if cached")
-    args = ap.parse_args()
-    print(json.dumps(asyncio.run(_main(args)), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

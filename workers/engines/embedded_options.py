@@ -1,0 +1,53 @@
+"""The embedded engine's options (`EmbeddedEngineOptions`): what its sessions do with a
+stream (`workers.engines.embedded_session` describes the policy they set) and what the
+engine itself does at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+FinalPass = Literal["utterance", "agreement"]
+FINAL_PASSES: tuple[FinalPass, ...] = ("utterance", "agreement")
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddedEngineOptions:
+    model: str = "whisper-base"
+    cpu_threads: int = 2
+    beam_size: int = 1
+    final_beam_size: int = 1
+    step_s: float = 1.0
+    pause_s: float = 0.6
+    max_window_s: float = 10.0
+    lead_in_s: float = 0.3
+    final_pass: FinalPass = "utterance"
+    max_utterance_s: float = 20.0
+    part_edge_s: float = 1.0
+    edge_s: float = 0.0
+    min_word_p: float = 0.0
+    final_encode_s: float = 30.0
+    """Encoder input of the final pass, in seconds of audio (the utterance padded with
+    silence): Whisper's own 30 s. Interims pad to 10 s (2.4x less CPU); for the final that
+    shortcut cost words ('ill sposed' for 'ill disposed' from 4 of 5 start points of the
+    same sentence on the reference set, 1 of 5 with 30 s, measured)."""
+    final_prompt_words: int = 0
+    """Utterance mode: the final pass is prompted with up to this many words the session
+    committed before the audio it decodes (Whisper's `initial_prompt`, as its own long-form
+    decoding conditions each window on the text before it). 0: no prompt."""
+    final_context_s: float = 0.0
+    """Utterance mode: the final pass also reads up to this many seconds of the audio
+    before the utterance (already final); the words it finds there are dropped by their
+    times and by the seam's n-gram check. 0: the utterance alone."""
+    unfinished_pause_s: float | None = None
+    """Utterance mode: a pause of `pause_s` ends an utterance only when its newest
+    hypothesis ends a sentence; one that does not runs on until a pause this long (or a
+    sentence end inside it is finalised as a part). None: every `pause_s` pause ends it."""
+    final_beam_max_busy: float | None = None
+    """The final pass uses `final_beam_size` only while the engine's decode thread was
+    busy at most this fraction of the last `embedded.BUSY_WINDOW_S` (headroom, measured as it
+    runs), else greedy. None: always `final_beam_size`."""
+    calibrate: bool = False
+    """At start, measure (or read from the host's cache) how many streams this engine
+    keeps in real time here (`workers.engines.calibrate`); `describe()` reports it."""
