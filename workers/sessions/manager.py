@@ -41,28 +41,25 @@ them ends (`AudioChunk.speech_end`: Silero's frames run on across chunks).
 Counters and gauges are kept in `self.counters` / `self.gauges` for the host to
 export (status fields and metrics); the manager itself does no I/O.
 
-**How far behind** (`gauges["caption_lag_s"]`): the audio seconds from the oldest speech
-the current session has been fed but not yet heard to the newest audio: 0 for a session
-that keeps up (or a silent room, which has nothing to caption), growing by a second each
-second for a stuck or overloaded one. Absent for engines that do not say how far they
-have heard (the host then uses its latest caption's latency).
+**How far behind** (`gauges["caption_lag_s"]`, sessions/lag.py): the seconds from the
+oldest speech the current session has been fed but not yet heard to the newest audio.
+
+The policy is `SessionPolicy` (sessions/policy.py); each engine session is a
+`Generation` (sessions/generation.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from workers.aio import cancel_and_join
-from workers.engines.agreement import norm
 from workers.engines.base import (
     END,
-    EngineCapabilities,
     EngineError,
     RecognizeSession,
     SessionInput,
@@ -70,86 +67,27 @@ from workers.engines.base import (
     SpeechEngine,
 )
 from workers.engines.vad import FRAME_SAMPLES, InlineVad, VadStream
-from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
+from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta
+from workers.sessions.generation import Generation, Seam
+from workers.sessions.lag import SpeechRuns
 from workers.sessions.pacing import DitherNoise
+from workers.sessions.policy import (
+    ROLLOVER_REASONS,
+    SHED_LEAD_S,
+    SKIP_REASONS,
+    SessionPolicy,
+    jittered_budget,
+    session_budget,
+)
 from workers.sessions.ring import AudioRing
 from workers.sessions.stall import asr_threshold
-from workers.sessions.watchdog import BACKLOG_S, RutPolicy, RutWatchdog
+from workers.sessions.watchdog import BACKLOG_S, RutWatchdog
 
 log = logging.getLogger(__name__)
 
-ROLLOVER_REASONS = ("budget", "rut", "engine_error", "gap", "shed")
-SKIP_REASONS = ("replacement", "queue_full", "shed")
-SHED_LEAD_S = 1
-"""A session that sheds to the live edge starts this many seconds before the newest
-audio (a rollover's `overlap_s` would start it that much behind)."""
-"""Why speech was skipped, never captioned (counters `skipped_s_<reason>`): see the
-module doc (replacement), `INPUT_QUEUE_MAX` (queue_full) and `ShedPolicy` (shed)."""
-
-
-def session_budget(configured: float | None, caps: EngineCapabilities) -> float | None:
-    """Audio seconds per engine session: the configured budget, never past the
-    engine's own limit; none for engines that re-anchor (unless configured)."""
-    if configured is None:
-        return None if caps.reanchors_natively else caps.max_session_s
-    if caps.max_session_s is not None and configured > caps.max_session_s:
-        log.warning("session budget %.0f s is past the engine's limit; using %.0f s",
-                    configured, caps.max_session_s)
-        return caps.max_session_s
-    return configured
-
-
-@dataclass(frozen=True, slots=True)
-class SessionPolicy:
-    budget_s: float | None = None
-    """Audio seconds one engine session may take; None: the engine's own capability.
-    Never more than the engine's own limit (it is clamped to it)."""
-    budget_jitter: float = 0.1
-    """Each session's budget is shortened by a random fraction up to this."""
-    margin_s: float = 30.0
-    """Start a warm rollover this long before the budget runs out."""
-    overlap_s: float = 5.0
-    """Audio the new session re-reads before the switch."""
-    switch_pause_s: float = 0.25
-    """Minimum pause (voice activity) that a switch point may sit in."""
-    rut: RutPolicy = field(default_factory=RutPolicy)
-    stall_s: float = 1.0
-    """Floor of the stall threshold, which learns the transport's bursts (sessions/stall.py)."""
-    stall_max_s: float = 3.0
-    """Cap of the learned stall threshold: a source silent this long is always stalled."""
-    dither_lsb: int = 2
-    max_fill_s: float = 10.0
-    restart_backoff_s: float = 1.0
-    max_backoff_s: float = 10.0
-    tick_s: float = 0.05
-    shed_after_s: float | None = None
-    """The shedding policy. None (the default): keep the backlog: every word is captioned,
-    late, up to what a session's input queue holds (~60 s; past it the oldest audio is
-    dropped and counted as `queue_full`). A number: once the stream's captions are this
-    many seconds behind (`caption_lag_s`), skip to the live edge: the session is replaced
-    at the newest audio (less `SHED_LEAD_S`), and the audio between the last committed
-    word and there is published as a `gap` event (seconds skipped) and counted as `shed`.
-    A session is shed at most once per this many seconds of its audio."""
-
-
-@dataclass(eq=False)
-class _Gen:
-    """One engine session and what of its output is taken."""
-
-    n: int
-    session: RecognizeSession
-    reason: str
-    start_pos: int
-    budget_s: float | None = None
-    fed: int = 0
-    accept_from_s: float = 0.0
-    accept_until_s: float | None = None
-    last_end_s: float = 0.0
-    last_start_s: float = 0.0
-    last_words: list[str] = field(default_factory=list)
-    held: list[TranscriptDelta] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
-    ended: bool = False
+# The policy and the names of what the manager reports are imported from here too.
+__all__ = ["ROLLOVER_REASONS", "SKIP_REASONS", "SessionManager", "SessionPolicy",
+           "session_budget"]
 
 
 class SessionManager(RecognizeSession):
@@ -178,11 +116,11 @@ class SessionManager(RecognizeSession):
                                           window_s=p.rut.window_s + lag) if lag else p.rut)
         self._noise = DitherNoise(p.dither_lsb)
         self._stall = asr_threshold(p.stall_s, p.stall_max_s)
-        self._out_q: asyncio.Queue[tuple[_Gen, TranscriptDelta | BaseException | None]] = (
+        self._out_q: asyncio.Queue[tuple[Generation, TranscriptDelta | BaseException | None]] = (
             asyncio.Queue()
         )
-        self._cur: _Gen | None = None
-        self._next: _Gen | None = None
+        self._cur: Generation | None = None
+        self._next: Generation | None = None
         self._switch_at: float | None = None  # T, stream seconds
         self._gens = 0
         self.pos: int | None = None  # next stream sample position to feed
@@ -199,34 +137,24 @@ class SessionManager(RecognizeSession):
         self._cut_s = 0.0
         self._resume_cut_s: float | None = None  # where the last replacement resumed
         self._dropped_seen = 0
-        # Runs of speech (start, end) in the last BACKLOG_S of audio, for the lag gauge;
-        # unlike the watchdog's, kept across rollovers (a replacement re-reads them).
-        self._speech_runs: deque[list[int]] = deque()
-        # The seam between two sessions: the old one's last words, for dedupe.
-        self._seam_gen = -1
-        self._prev_tail: list[str] = []
-        self._prev_end_s = 0.0
+        self._speech_runs = SpeechRuns()  # for the lag gauge
+        self._seam = Seam()  # between two sessions: the old one's last words, for dedupe
         self.counters: defaultdict[str, float] = defaultdict(float)
         self.gauges: dict[str, float] = {}
         self.rollover_log: list[tuple[str, float]] = []  # (reason, switch time in stream s)
 
     # ---- generations -------------------------------------------------------
-    def _open(self, reason: str, start_pos: int) -> _Gen:
+    def _open(self, reason: str, start_pos: int) -> Generation:
         session = self.engine.open_session(self.options)
         self._gens += 1
-        gen = _Gen(self._gens, session, reason, start_pos, self._jittered_budget(self._gens))
-        gen.task = asyncio.create_task(self._pump(gen), name=f"gen{gen.n}:{self.options.stream_id}")
+        gen = Generation(self._gens, session, reason, start_pos, self._jittered_budget(self._gens))
+        gen.task = asyncio.create_task(gen.pump(self._out_q),
+                                       name=f"gen{gen.n}:{self.options.stream_id}")
         self.counters["sessions_opened"] += 1
         return gen
 
     def _jittered_budget(self, n: int) -> float | None:
-        if self.budget_s is None:
-            return None
-        # Seeded by stream and session: reproducible, yet different for every stream.
-        cut = random.Random(f"{self.options.stream_id}:{n}").uniform(0, self.policy.budget_jitter)
-        # Never so short that the warm rollover's margin and overlap no longer fit.
-        floor = min(self.budget_s, self.policy.margin_s + self.policy.overlap_s + 1.0)
-        return max(floor, self.budget_s * (1.0 - cut))
+        return jittered_budget(self.budget_s, self.policy, self.options.stream_id, n)
 
     def _open_failed(self, exc: Exception, what: str) -> None:
         """Count it; back off (doubling, capped) so a dead engine is no busy loop."""
@@ -244,27 +172,12 @@ class SessionManager(RecognizeSession):
         return float(min(p.max_backoff_s,
                          p.restart_backoff_s * 2.0 ** max(0, self._open_failures - 1)))
 
-    async def _pump(self, gen: _Gen) -> None:
-        try:
-            async for delta in gen.session:
-                await self._out_q.put((gen, delta))
-            await self._out_q.put((gen, None))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await self._out_q.put((gen, exc))
+    @staticmethod
+    async def _close(gen: Generation | None) -> None:
+        if gen is not None:
+            await gen.close()
 
-    async def _close(self, gen: _Gen | None) -> None:
-        if gen is None:
-            return
-        gen.ended = True
-        if gen.task is not None:
-            # Not cancel + `await` under suppress(CancelledError): that swallows a cancel
-            # of this manager arriving meanwhile, and the manager went on ticking.
-            await cancel_and_join(gen.task)
-        await gen.session.aclose()
-
-    async def _feed(self, gen: _Gen, chunk: AudioChunk) -> None:
+    async def _feed(self, gen: Generation, chunk: AudioChunk) -> None:
         gen.fed += chunk.samples
         before = gen.session.dropped_samples
         await gen.session.push(chunk)
@@ -281,34 +194,14 @@ class SessionManager(RecognizeSession):
         self.counters["skipped_s_queue_full"] += samples / SAMPLE_RATE
 
     # ---- output ------------------------------------------------------------
-    def _filter(self, gen: _Gen, words: tuple[Word, ...]) -> tuple[Word, ...]:
-        lo, hi = gen.accept_from_s, gen.accept_until_s
-        return tuple(w for w in words if w.start_s >= lo - 1e-6 and (hi is None or w.start_s < hi))
-
-    def _seam_dedupe(self, gen: _Gen, words: tuple[Word, ...]) -> tuple[Word, ...]:
-        """Drop leading words that repeat the previous session's last words at the seam."""
-        prev = self._prev_tail
-        if not prev or not words:
-            return words
-        if words[0].start_s - self._prev_end_s > 1.0:
-            return words
-        first = [norm(w.text) for w in words]
-        for n in range(min(len(prev), len(first), 4), 0, -1):
-            if prev[-n:] == first[:n]:
-                self.counters["seam_words_deduped"] += n
-                return words[n:]
-        return words
-
-    async def _emit_from(self, gen: _Gen, delta: TranscriptDelta) -> None:
-        committed = self._filter(gen, delta.committed)
-        tentative = self._filter(gen, delta.tentative)
-        if gen.n == self._seam_gen and committed:
-            committed = self._seam_dedupe(gen, committed)
-            self._seam_gen = -1  # the seam is crossed once real words follow it
+    async def _emit_from(self, gen: Generation, delta: TranscriptDelta) -> None:
+        committed = gen.accepted(delta.committed)
+        tentative = gen.accepted(delta.tentative)
+        committed, repeated = self._seam.cross(gen, committed)
+        if repeated:
+            self.counters["seam_words_deduped"] += repeated
         if committed:
-            gen.last_end_s = max(gen.last_end_s, committed[-1].end_s)
-            gen.last_start_s = max(gen.last_start_s, committed[-1].start_s)
-            gen.last_words = ([*gen.last_words, *(norm(w.text) for w in committed)])[-8:]
+            gen.took(committed)
         chars = sum(len(w.text.strip()) for w in committed + tentative)
         if chars and self.pos is not None:
             # Stamped with the audio the text is for: a session behind its audio writes
@@ -322,7 +215,8 @@ class SessionManager(RecognizeSession):
             await self._emit(TranscriptDelta(committed, tentative, delta.end_of_utterance,
                                              delta.language))
 
-    async def _on_output(self, gen: _Gen, item: TranscriptDelta | BaseException | None) -> None:
+    async def _on_output(self, gen: Generation,
+                         item: TranscriptDelta | BaseException | None) -> None:
         if gen.ended:
             return
         if gen is self._next:
@@ -353,7 +247,7 @@ class SessionManager(RecognizeSession):
         old, new = self._cur, self._next
         assert old is not None and new is not None and self._switch_at is not None
         await self._close(old)
-        self._start_seam(old, new)
+        self._seam.start(old, new)
         # A forced switch may pick a pause the old session had already captioned past
         # (it published words starting after T before T was chosen): those stay, and
         # the new session takes over after them. Otherwise the seam is T itself.
@@ -367,11 +261,6 @@ class SessionManager(RecognizeSession):
         held, new.held = new.held, []
         for delta in held:
             await self._emit_from(new, delta)
-
-    def _start_seam(self, old: _Gen, new: _Gen) -> None:
-        self._prev_tail = list(old.last_words)
-        self._prev_end_s = old.last_end_s
-        self._seam_gen = new.n
 
     async def _replace_now(self, reason: str) -> None:
         """Switch to a new session immediately (rut, error, ended, gap), resuming where
@@ -410,7 +299,7 @@ class SessionManager(RecognizeSession):
         self._open_failures = 0
         self.gauges.pop("engine_dead", None)
         if old is not None:
-            self._start_seam(old, new)
+            self._seam.start(old, new)
         new.accept_from_s = cut
         self._cur = new
         self.counters[f"rollovers_{reason}"] += 1
@@ -496,11 +385,7 @@ class SessionManager(RecognizeSession):
         for speech in flags:
             if speech:
                 self._watch.speech(frame_pos, FRAME_SAMPLES)
-                runs = self._speech_runs
-                if runs and runs[-1][1] == frame_pos:
-                    runs[-1][1] = frame_pos + FRAME_SAMPLES
-                else:
-                    runs.append([frame_pos, frame_pos + FRAME_SAMPLES])
+                self._speech_runs.add(frame_pos)
                 self._pause_run = 0
             else:
                 if self._pause_run == 0:
@@ -510,9 +395,7 @@ class SessionManager(RecognizeSession):
                     self._best_pause = (self._pause_run, self._pause_start)
             frame_pos += FRAME_SAMPLES
         self.gauges["voiced_without_text_s"] = round(self._watch.voiced_without_text_s, 2)
-        oldest = self.pos - int(BACKLOG_S * SAMPLE_RATE)
-        while self._speech_runs and self._speech_runs[0][1] < oldest:
-            self._speech_runs.popleft()
+        self._speech_runs.forget(self.pos)
         # After T is chosen the old session only flushes; it gets no more audio.
         cur = self._cur if self._switch_at is None else None
         for gen in (cur, self._next):
@@ -526,9 +409,7 @@ class SessionManager(RecognizeSession):
         if heard is None or self.pos is None:
             self.gauges.pop("caption_lag_s", None)
             return
-        unheard = next((max(a, heard) for a, b in self._speech_runs if b > heard), None)
-        lag = 0.0 if unheard is None else max(0, self.pos - unheard) / SAMPLE_RATE
-        self.gauges["caption_lag_s"] = round(lag, 2)
+        self.gauges["caption_lag_s"] = round(self._speech_runs.lag_s(heard, self.pos), 2)
 
     async def _after_audio(self) -> None:
         assert self.pos is not None
