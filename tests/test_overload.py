@@ -5,8 +5,11 @@ How many rooms overload a host depends on the host: eight rooms ran 10-18 s behi
 2-core machine and only 7 s behind on CI's faster one, where the test then proved nothing.
 So the test first measures this host (`workers.engines.calibrate.measure`: one stream of
 the same engine options in lock step, the decode thread's busy seconds per audio second)
-and feeds `OVERLOAD` times the rooms that thread could decode at 100 % busy: every room
-falls behind, at about (1 - 1/OVERLOAD) of a second each second, on any host. The actor
+and feeds `OVERLOAD` times the rooms that thread could decode at 100 % busy. Lock step
+decodes every interim, and a loaded engine skips interims, so the thread carries more
+rooms than that figure says: 2.5 times it reached a 10.5 s lag in 75 s and shed nothing;
+5 times shed in every room, and once, on a host busy with other work as well, starved a
+room of every final (each of its sessions shed before its first). Four times it is. The actor
 runs the shedding policy at 20 s (`SessionPolicy.shed_after_s`). What must hold:
 - no final with empty text or with audio times outside the stream (`start < end`);
 - every stretch of each room's audio is either captioned (a final covers it) or reported
@@ -39,7 +42,7 @@ from workers.sessions.manager import SessionPolicy
 
 pytestmark = pytest.mark.integration
 
-OVERLOAD = 5.0
+OVERLOAD = 4.0
 """Rooms fed, as a multiple of those the decode thread could carry at 100 % busy."""
 MIN_ROOMS, MAX_ROOMS = 6, 64
 LOAD_S = 75.0
@@ -86,8 +89,8 @@ def rooms_for(busy_per_stream: float) -> int:
 
 
 def test_rooms_for_scales_with_the_host() -> None:
-    assert rooms_for(0.2) == 25  # a slow host: 5 streams fill the thread
-    assert rooms_for(0.25) == 20
+    assert rooms_for(0.2) == 20  # a slow host: 5 streams fill the thread
+    assert rooms_for(0.25) == 16
     assert rooms_for(1.0) == MIN_ROOMS
     with pytest.raises(AssertionError, match="more than this test feeds"):
         rooms_for(0.05)
@@ -166,8 +169,10 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
     behind_counts = [int(float(s["actor"].get(b"streams_behind", b"0"))) for s in loaded]
     end_lags = {r: float(statuses[r].get("caption_lag_s", "nan")) for r in stay}
     gaps = {r: sum(c.gap_s for c in captions[r]) for r in rooms}
+    n_finals = {r: sum(1 for c in captions[r] if c.is_final) for r in rooms}
     print(f"overload: worst lag {worst:.1f} s, streams_behind up to {max(behind_counts)}, "
-          f"seconds shed per room {gaps}, lag of the rooms left at the end {end_lags}")
+          f"seconds shed per room {gaps}, finals per room {n_finals}, "
+          f"lag of the rooms left at the end {end_lags}")
 
     for room, segs in captions.items():
         finals = [c for c in segs if c.is_final]
