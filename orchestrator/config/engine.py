@@ -83,7 +83,7 @@ class VllmConfig(_Strict):
                     "engines share a GPU: three at 112 aged made 12.15 frames/s per session "
                     "with it, 9.58 without (docs/gpu.md, CUDA MPS). These figures were "
                     "judged at 96 % of real time over seconds; by the strict keep-up rule "
-                    "110 aged on three engines did not keep up (under review, docs/gpu.md)")
+                    "no level has passed yet (docs/gpu.md, Budgets)")
     cuda_mps: bool = Field(
         default=False,
         description="the GPU nodes run CUDA MPS (their operator starts "
@@ -91,10 +91,11 @@ class VllmConfig(_Strict):
                     "that MPS does not serve (no daemon answers, or its engine core is not "
                     "a client of the daemon's server) refuses to start instead of running "
                     "slower than its budget, and with fp8 and three engines per GPU "
-                    "the default streams_per_actor is the knee measured under MPS, 36 (110 "
-                    "sessions aged 30 min held per H200, 2026-12-03, at 96 % of real time; "
-                    "34 without). Not yet a strict knee: by the keep-up rule 0 of 110 kept "
-                    "up (bench/results/capacity_h200); set streams_per_actor lower for margin")
+                    "the default streams_per_actor is 30 per engine, with or without MPS: by "
+                    "the strict keep-up rule, with 100 sessions aged 12 min on three engines "
+                    "under MPS, the two engines carrying 33 kept every session up and the one "
+                    "carrying 34 did not (2026-12-04, bench/results/capacity_h200); 30 is 33 "
+                    "less 10 %, provisional until a level passes as a whole (docs/gpu.md)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
