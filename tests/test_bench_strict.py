@@ -58,6 +58,23 @@ def test_rule_fails_a_session_that_keeps_pace_a_second_and_more_behind() -> None
     assert v["backlog_p99_s"] > rule.P99_MAX_S and not v["keeps_up"]
 
 
+def test_a_stall_is_placed_in_time_and_told_from_a_steady_deficit() -> None:
+    # what the engine carrying 34 of 100 did on 2026-12-04: on pace, then 8 s behind for a
+    # while, then caught up; the verdict says when and for how long, a steady deficit not
+    times, backlog = series(12.5, 300.0)
+    stall = [b + (8.0 if 120.0 <= t < 130.0 else 0.0) for t, b in zip(times, backlog, strict=True)]
+    v = rule.session_verdict(times, stall)
+    assert not v["keeps_up"]
+    assert v["backlog_max_s"] == pytest.approx(8.12, abs=0.01)
+    assert 120.0 <= v["backlog_max_at_s"] < 130.0
+    assert v["backlog_over_bound_s"] == pytest.approx(10.0, abs=rule.SAMPLE_S)
+    slow = rule.session_verdict(*series(12.1, 300.0))
+    assert slow["backlog_max_at_s"] == pytest.approx(300.0)  # worst at the end
+    assert slow["backlog_over_bound_s"] > 200.0
+    ok = rule.session_verdict(*series(12.5, 300.0))
+    assert ok["backlog_over_bound_s"] == 0.0
+
+
 def test_phase_verdict_knee_and_controls() -> None:
     ok = rule.session_verdict(*series(12.5, 300.0))
     slow = rule.session_verdict(*series(12.1, 300.0))

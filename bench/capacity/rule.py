@@ -72,10 +72,20 @@ def session_verdict(times: Sequence[float], backlog_s: Sequence[float],
     start, end = sum(head) / len(head), sum(tail) / len(tail)
     p99 = percentile(backlog_s, 0.99)
     growth = end - start
+    peak = max(range(len(backlog_s)), key=backlog_s.__getitem__)
+    # how long the backlog stayed past the p99 bound: each sample stands for the time to
+    # the next one (a stall of several seconds, or a steady deficit, reads differently)
+    over = sum(t_next - t for t, t_next, b in zip(times, times[1:], backlog_s, strict=False)
+               if b > P99_MAX_S)
     out = {
         "backlog_start_s": round(start, 3), "backlog_end_s": round(end, 3),
         "backlog_growth_s": round(growth, 3), "backlog_p99_s": round(p99, 3),
         "keeps_up": growth < GROWTH_MAX_S and p99 <= P99_MAX_S,
+        # where the worst moment was, seconds into the window: to line a stall up with
+        # re-anchors, other engines or the host
+        "backlog_max_s": round(backlog_s[peak], 3),
+        "backlog_max_at_s": round(times[peak] - t0, 2),
+        "backlog_over_bound_s": round(over, 2),
     }
     if decoded_frames is not None and span > 0:
         out["frames_per_s"] = round(decoded_frames / span, 3)
