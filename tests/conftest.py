@@ -43,39 +43,15 @@ async def bus(redis_url: str) -> AsyncIterator[RedisBus]:
 
 TIERS = ("unit", "integration", "gpu")
 
-QUIET_MODULES = frozenset({
-    "test_failover", "test_engine_replacement", "test_ingest_failover", "test_lag_move",
-    "test_redis_recovery", "test_ingest_transports", "test_hls_ingest", "test_ingest_host",
-    "test_hot_apply", "test_hostile_clients", "test_hostile_yaml", "test_lease",
-    "test_flood", "test_metrics_workers", "test_status",
-})
-"""Modules whose tests assert wall-clock bounds (captions back within 5 s, a source seen
-lost within 5 s, /livez within 2 s, a lease lapsing within its second): marked `quiet`.
-scripts/test.sh runs them at normal priority while the rest run beside them at a lower one,
-so a bound is judged on a host that gives its test the CPU it asks for. With both at one
-priority on 2 cores, failover's captions came back after 12.4 s and an HLS source's audio
-after 4.6 s (bound 4 s); alone, both passed. A new test with such a bound goes here."""
-
-ALONE_MODULES = frozenset({"test_overload"})
-"""Modules that load the whole host on purpose (the overload test feeds four times the
-rooms the host's measured decode thread carries): marked `alone`, run by themselves."""
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test declares its tier (STYLE: "every test module declares its tier"): a test
-    with none is a collection error, not a test that silently runs in no tier. Tests of
-    `QUIET_MODULES` and `ALONE_MODULES` get their scheduling marker here."""
+    with none is a collection error, not a test that silently runs in no tier."""
     missing = [item.nodeid for item in items
                if not any(item.get_closest_marker(t) for t in TIERS)]
     if missing:
         raise pytest.UsageError("tests without a unit/integration/gpu marker:\n  "
                                 + "\n  ".join(missing))
-    for item in items:
-        module = item.path.stem
-        if module in QUIET_MODULES:
-            item.add_marker(pytest.mark.quiet)
-        elif module in ALONE_MODULES:
-            item.add_marker(pytest.mark.alone)
 
 
 TASKS_BEFORE_TIMEOUT_S = 20.0
