@@ -24,6 +24,11 @@
 #   WORKERS="1 6" bash .stage/extra/run_gpu.sh delivery   # bench.delivery, 200 x 2000
 #   (.stage/extra also holds PyJWT, rich and its deps for the gateway the delivery bench
 #   runs; the image has the rest through vLLM's own dependencies)
+#   bash .stage/extra/run_gpu.sh failover          # bench.failover on the host's 16 cores
+#   (issue 35: every mode at 8 streams needs cores this 2-core box lacks). It needs the
+#   embedded CPU engine's wheels for Python 3.12 (scripts/h200_cpu_wheels.sh: `make` here,
+#   then one call per folder carrying .stage/cpuN: `bash scripts/h200_cpu_wheels.sh stash
+#   .stage/cpuN`, N = 1-3, before this mode). Not yet run on the device.
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -96,6 +101,11 @@ strict)  # bench.capacity.strict: one level of one configuration, the keep-up ru
     > /dev/null 2> "$OUT/${TAG:-strict}.log"; echo rc=$?
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('sessions','front_ends')]; print(json.dumps(d)[:6000])" "$OUT/${TAG:-strict}.json"
   grep -E "Error|Traceback|engines_started" "$OUT/${TAG:-strict}.log" | tail -8; tail -c 1500 "$OUT/${TAG:-strict}.log"
+  ;;
+failover)  # bench.failover (issue 35) on the device host's CPU: no GPU in it
+  bash scripts/h200_cpu_wheels.sh install >> "$OUT/install.log" 2>&1 || { echo "cpu engine wheels failed"; tail -5 "$OUT/install.log"; exit 1; }
+  timeout ${LIMIT:-580} python3 -m bench.failover --json ${FAILOVER_ARGS:-} > "$OUT/failover.json" 2> "$OUT/failover.log"; echo rc=$?
+  grep '^{' "$OUT/failover.json" | tail -1 | head -c 8000; echo; grep -E "Error|Traceback" "$OUT/failover.log" | tail -8; tail -c 1500 "$OUT/failover.log"
   ;;
 gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the router
   timeout ${LIMIT:-575} python3 -m bench.voxtral_gpus --model /tmp/voxtral --gpus "${GPUS:-2}" \
