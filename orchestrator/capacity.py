@@ -13,8 +13,9 @@ can use (its `cpu_threads`, at most the host's cores shared among the actors):
 
 An operator who measures a bigger machine sets `engine.streams_per_actor` in the event file.
 
-The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes the knee of `bench.voxtral_capacity`
-for sessions aged 30 minutes on an H200 (16-core Xeon host), per engine:
+The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes, per engine, what aged sessions
+kept in real time on an H200 (16-core Xeon host): three fp8 engines by the strict keep-up
+rule of `bench.capacity.strict`, the others by `bench.voxtral_capacity`'s knee (see below):
 
 - bf16 KV cache (`kv_cache_dtype: auto`, the default): `VLLM_STREAMS_PER_ACTOR`, 18. Two
   engines on the GPU (`engines_per_gpu: 2`, each 0.425 of its memory, `max_model_len`
