@@ -47,6 +47,8 @@ class Failover:
     _lagging_actors: set[str]
     _lease_seen: set[str]
     _lease_lapsed: dict[str, float]
+    _lease_last: dict[str, Any]
+    _lease_stale: dict[str, Any]
     _probing: set[str]
     lease_redis_restarts: int
     lease_all_lapsed: int
@@ -83,8 +85,11 @@ class Failover:
                                 break
                 if not state.get("started"):
                     # after the moved streams' catch-up: a model load beside it (CPU
-                    # actors) slowed their first captions by seconds on 2 cores
-                    await asyncio.sleep(SPARE_WARM_DELAY_S)
+                    # actors) slowed their first captions by seconds on 2 cores. Streams
+                    # still pinned to it (nowhere had room) wait for it: no delay then.
+                    assert self.router is not None
+                    if actor_id not in self.router.pins.values():
+                        await asyncio.sleep(SPARE_WARM_DELAY_S)
                     await wait_for(handle.health.remote(), 600)
             except Exception as exc:  # out of reach: nothing to do here
                 log.info("ASR actor %s (lease lapsed) did not answer: %s", actor_id,
@@ -96,6 +101,41 @@ class Failover:
         task = asyncio.create_task(probe())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def withdraw_lease(self, actor_id: str) -> bool:
+        """Ray says the ASR actor's process is gone (a watch on it failed): its lease ends
+        now instead of at its expiry, so its streams move at once. On the lent H200 Ray's
+        signal came before the lease lapsed, and the pass it started then waited on the
+        restarting actor: streams moved ~3 s after the kill, against ~2 s for a frozen
+        node (bench/results/failover/README.md). The key is deleted, so a renewal the
+        process made just before it died cannot look like it is back; the value last read
+        is kept too, so a read in flight across the delete cannot either. A process that
+        is in fact alive renews within `RENEW_S`: its lease is back, and a stream moved
+        off it meanwhile is removed there (the new owner's claim fences its captions).
+        False where leases are off, or this actor's was never seen."""
+        from workers.lease import lease_key
+
+        if not self.cfg.engine.lease_ttl_s or actor_id not in self._lease_seen:
+            return False
+        try:
+            redis = connect_redis(self.redis_url)
+            try:
+                await wait_for(redis.delete(lease_key(actor_id)), 1.0)
+            finally:
+                await redis.aclose()
+        except Exception as exc:  # Redis away: the lease lapses on its own
+            log.warning("ASR actor %s: lease not withdrawn: %s", actor_id,
+                        type(exc).__name__)
+            return False
+        if actor_id not in self._lease_seen:  # the reader saw it lapse meanwhile
+            return False
+        self._lease_stale[actor_id] = self._lease_last.get(actor_id)
+        self._lease_seen.discard(actor_id)
+        self._lease_lapsed[actor_id] = time.monotonic()
+        metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
+        log.warning("ASR actor %s: Ray says its process is gone; lease withdrawn, moving "
+                    "its streams", actor_id)
+        return True
 
     async def watch_leases(self, every_s: float = 0.1,
                            wake: asyncio.Event | None = None) -> None:
@@ -148,7 +188,11 @@ class Failover:
                     await asyncio.sleep(every_s)
                     continue
                 for actor_id, value in zip(actors, values, strict=True):
+                    if value is not None and value == self._lease_stale.get(actor_id):
+                        continue  # read before withdraw_lease deleted it: not renewed
                     if value is not None:
+                        self._lease_stale.pop(actor_id, None)
+                        self._lease_last[actor_id] = value
                         self._lease_seen.add(actor_id)
                         if self._lease_lapsed.pop(actor_id, None) is not None:
                             log.warning("ASR actor %s: lease back", actor_id)

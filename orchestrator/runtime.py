@@ -102,6 +102,10 @@ class EventRuntime(Failover, HotApply):
     # hold a pass for its whole timeout), until its lease is back
     _lease_seen: set[str] = field(default_factory=set)
     _lease_lapsed: dict[str, float] = field(default_factory=dict)
+    # each lease's value as last read, and the one a withdrawn lease held (see
+    # Failover.withdraw_lease: reading that again is not the actor back)
+    _lease_last: dict[str, Any] = field(default_factory=dict)
+    _lease_stale: dict[str, Any] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)
     lease_redis_restarts: int = 0  # Redis restarts or stalls the lease reader saw
     lease_all_lapsed: int = 0  # times every seen lease was gone at once (not acted on)
@@ -393,6 +397,8 @@ class EventRuntime(Failover, HotApply):
                 self._died_at.setdefault(actor_id, failed_at[id(handle)])
                 log.warning("actor %s: its process is gone (%s)", actor_id,
                             type(exc).__name__)
+                if actor_id in self.asr:  # down now, not when its lease expires
+                    await self.withdraw_lease(actor_id)
                 died.set()
 
         try:

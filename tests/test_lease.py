@@ -200,3 +200,40 @@ async def test_every_lease_gone_at_once_is_not_every_actor_lost(tmp_path: Path) 
             return set(runtime._lease_lapsed) == {"asr-2"}
 
         await eventually(one_lapsed, 5, "asr-2's lapse")
+
+
+async def test_rays_death_signal_ends_a_lease_at_once_and_only_a_renewal_brings_it_back(
+        tmp_path: Path) -> None:
+    """Ray's death signal (supervise's watch on the actor failed) withdraws the actor's
+    lease: down now, not when the lease expires (withdraw_lease). The dead process's last
+    value read again (a read in flight across the delete) is not the actor back; an actor
+    that is in fact alive renews and is back."""
+    async with leases_read(tmp_path, ("asr-0", "asr-1")) as (server, keepers, runtime, _):
+        r = redis_sync.Redis.from_url(server.url)
+        key = lease_key("asr-0")
+        keepers["asr-0"]._stop.set()  # dies: its last lease would stand for up to 1 s
+        assert r.get(key) is not None
+        assert await runtime.withdraw_lease("asr-0")
+        assert "asr-0" in runtime._lease_lapsed and r.get(key) is None
+        stale = runtime._lease_stale["asr-0"]
+        assert stale is not None and stale.split()[0] in ("asr-0", b"asr-0")
+        r.set(key, stale, px=1000)  # the dead process's value, read late
+        await asyncio.sleep(0.5)  # five reads
+        assert "asr-0" in runtime._lease_lapsed, "a stale value is not a renewal"
+        assert not await runtime.withdraw_lease("asr-0"), "withdrawn once"
+
+        # The control: a wrong signal for a live actor. It renews within 0.2 s: back.
+        assert await runtime.withdraw_lease("asr-1")
+        assert "asr-1" in runtime._lease_lapsed
+
+        async def back() -> bool:
+            return "asr-1" not in runtime._lease_lapsed and "asr-1" in runtime._lease_seen
+
+        await eventually(back, 3, "asr-1's renewal seen")
+        assert "asr-0" in runtime._lease_lapsed
+
+    # Leases off (engine.lease_ttl_s: null): Ray's signal and failover_after_s only.
+    off = EventRuntime(parse_event(EVENT.format(url="redis://127.0.0.1:1")
+                                   + "engine: {lease_ttl_s: null}\n"), redis_url="")
+    off._lease_seen.add("a")
+    assert not await off.withdraw_lease("a")
