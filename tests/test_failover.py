@@ -316,3 +316,63 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
     assert ids == sorted(set(ids)), "a caption was made final twice"
     assert not [c for c in caps if c.emit_time > woke_epoch and c.seq <= 0]
     assert wer <= 0.15, text
+
+
+SIGNAL_EVENT = """
+event: signal
+redis: {{url: "{url}"}}
+engine: {{failover_after_s: 30, lease_ttl_s: 10}}
+streams:
+  - {{id: lobby, source: push, language: en}}
+"""
+
+
+async def test_rays_death_signal_moves_a_stream_before_the_lease_would_lapse(
+        cluster: Cluster, bus: RedisBus, redis_url: str) -> None:
+    """When Ray says an actor's process is gone before its lease lapses (the usual order
+    on the lent H200's 16 cores), the stream moves at that signal: the lease is withdrawn
+    (Failover.withdraw_lease). Here the lease would stand 10 s and `failover_after_s` is
+    30 s, so a move within the 5 s bound can only come from the signal."""
+    runtime = EventRuntime(parse_event(SIGNAL_EVENT.format(url=redis_url)),
+                           redis_url=redis_url)
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
+    actors = ("sig-0", "sig-1")
+    for actor_id in actors:
+        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
+                                            resources={"node_a": 1}).remote(
+            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
+                           read_block_ms=100, lease_ttl_s=10.0),
+            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
+    runtime.router = Router(budget=1, actors=list(actors))
+    victim, spare = runtime.asr["sig-0"], runtime.asr["sig-1"]
+    lapses_before = metrics.LEASE_LAPSES.labels(actor="sig-0")._value.get()
+    supervisor = None
+    try:
+        await runtime.place_all()
+        await runtime.warm_spares()
+        assert runtime.router.pins == {"lobby": "sig-0"}
+        pid = (await victim.state.remote())["pid"]
+        supervisor = asyncio.create_task(runtime.supervise(every_s=120))
+
+        async def leases_seen() -> bool:
+            return runtime._lease_seen == set(actors)
+
+        await eventually(leases_seen, 10, "both leases seen")
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)  # Ray restarts it; its last lease stands 10 s
+
+        async def moved() -> bool:
+            return runtime.router.pins.get("lobby") == "sig-1" and "lobby" in (
+                await asyncio.wait_for(spare.streams.remote(), 5))
+
+        await eventually(moved, 30, "lobby moved to the spare")
+        moved_s = time.monotonic() - killed_at
+    finally:
+        if supervisor is not None:
+            supervisor.cancel()
+        for handle in runtime.asr.values():
+            ray.kill(handle, no_restart=True)
+    print(f"lobby: on the spare {moved_s:.1f} s after the kill (lease 10 s, "
+          "failover_after_s 30 s)")
+    assert moved_s <= BOUND_S, moved_s
+    assert metrics.LEASE_LAPSES.labels(actor="sig-0")._value.get() == lapses_before + 1
