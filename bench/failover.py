@@ -380,14 +380,14 @@ def _r(x: float | None) -> float | None:
 
 
 def _commit() -> str | None:
-    """The code measured: the checkout's HEAD (None outside a git checkout)."""
-    import subprocess
+    """The code measured: $BABELCAST_COMMIT (the lent H200's copy has a stale .git; its
+    caller writes the commit there, scripts/h200.sh), the checkout's HEAD, or
+    .stage/extra/COMMIT. The run of 2026-12-04 at aa5389c recorded 0261d45 from that
+    stale .git before this read the variable."""
+    from bench.capacity.results import commit_of
 
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    full = commit_of()
+    return full[:7] if full else None
 
 
 def main() -> int:
@@ -424,7 +424,9 @@ def main() -> int:
                       head_node_args={"num_cpus": 2, "resources": {"node_a": 100},
                                       "include_dashboard": False})
     ray.init(address=cluster.address, log_to_driver=False)
-    result: dict[str, Any] = {"commit": _commit(), "model": args.model, "streams": args.streams,
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                              "command": "python -m bench.failover " + " ".join(sys.argv[1:]),
+                              "commit": _commit(), "model": args.model, "streams": args.streams,
                               "cpu_threads": args.cpu_threads, "cores": os.cpu_count(),
                               "kill_at_s": args.kill_at, "talk_s": round(talk_pcm()[1], 1),
                               "freeze_s": args.freeze_s, "modes": modes}

@@ -19,7 +19,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.capacity import results  # noqa: E402
+from bench import tables  # noqa: E402
+from bench.capacity import results, rule  # noqa: E402
 
 FOLDER = ROOT / "bench" / "results" / "capacity_h200"
 START = "<!-- capacity-table:start (bench/capacity/render.py writes this; do not edit) -->"
@@ -39,8 +40,12 @@ def _f(x: Any, fmt: str = "{}") -> str:
 def row(path: Path, data: dict[str, Any], relative_to: Path) -> str:
     v = data["verdict"]
     link = Path(os.path.relpath(path, relative_to))
-    phase = f"{v['phase_s']:.0f} s" + ("" if v["phase_long_enough"] else " (short)")
-    keep = f"{v['keep_up']}/{v['sessions']}" + (" **pass**" if v["passes"] else " fail")
+    phase = (f"{v['phase_s']:.0f} s" if v["phase_long_enough"]
+             else f"{v['phase_s']:.1f} s (short)")  # 299.6 must not read as 300
+    keep = f"{v['keep_up']}/{v['sessions']}" + (
+        " **pass**" if v["passes"]
+        else " kept up, not counted (phase short)" if not v["phase_long_enough"]
+        and v["keep_up_share"] >= rule.KNEE_SHARE else " fail")
     aged = ("new" if data.get("stock") or not data.get("age_min")
             else f"{data['age_min']:g} min, staggered" if data.get("stagger")
             else f"{data['age_min']:g} min")
@@ -67,21 +72,12 @@ def table(relative_to: Path, folder: Path = FOLDER) -> str:
 
 def rendered(text: str, relative_to: Path, folder: Path = FOLDER) -> str:
     """`text` with its table between the markers replaced by the one from `folder`."""
-    if START not in text or END not in text:
-        raise ValueError("no capacity-table markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{START}\n{table(relative_to, folder)}\n{END}{tail}"
+    return tables.rendered(text, START, END, table(relative_to, folder))
 
 
 def check(folder: Path = FOLDER, targets: tuple[Path, ...] = TARGETS) -> list[str]:
     """The files whose table differs from what `folder` renders."""
-    wrong = []
-    for target in targets:
-        text = target.read_text()
-        if rendered(text, target.parent, folder) != text:
-            wrong.append(str(target.relative_to(ROOT)))
-    return wrong
+    return tables.stale(targets, START, END, lambda where: table(where, folder), ROOT)
 
 
 def main() -> int:
@@ -94,8 +90,7 @@ def main() -> int:
             print(f"{w}: its capacity table differs from bench/results/capacity_h200 "
                   "(run python -m bench.capacity.render)", file=sys.stderr)
         return 1 if wrong else 0
-    for target in TARGETS:
-        target.write_text(rendered(target.read_text(), target.parent))
+    tables.write(TARGETS, START, END, table)
     return 0
 
 
