@@ -384,13 +384,13 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
 
     assert vllm("kv_cache_dtype: fp8") == VLLM_FP8_STREAMS_PER_ACTOR == 36
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 2") == 36
-    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3") == VLLM_FP8_X3_STREAMS_PER_ACTOR == 30
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3") == VLLM_FP8_X3_STREAMS_PER_ACTOR == 18
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 4") == 18
-    # three under CUDA MPS (the operator says the nodes run it): 33 per engine kept up by the
-    # strict rule on two engines of three, less a 10 % margin; without MPS never more
+    # three under CUDA MPS (the operator says the nodes run it): 20 per engine kept up by the
+    # strict rule and 30 did not, so 20 less a 10 % margin; without MPS never more
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true") \
-        == VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR == 30
-    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: false") == 30
+        == VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR == 18
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: false") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 3, cuda_mps: true") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 2") == 18
     cfg = parse_event("event: x\nengine: {kind: vllm, model: /m, streams_per_actor: 5, "

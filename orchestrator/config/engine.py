@@ -91,11 +91,11 @@ class VllmConfig(_Strict):
                     "that MPS does not serve (no daemon answers, or its engine core is not "
                     "a client of the daemon's server) refuses to start instead of running "
                     "slower than its budget, and with fp8 and three engines per GPU "
-                    "the default streams_per_actor is 30 per engine, with or without MPS: by "
-                    "the strict keep-up rule, with 100 sessions aged 12 min on three engines "
-                    "under MPS, the two engines carrying 33 kept every session up and the one "
-                    "carrying 34 did not (2026-12-04, bench/results/capacity_h200); 30 is 33 "
-                    "less 10 %, provisional until a level passes as a whole (docs/gpu.md)")
+                    "the default streams_per_actor is 18 per engine, with or without MPS: by "
+                    "the strict keep-up rule, with sessions aged 12 min on three engines "
+                    "under MPS, 20 per engine kept every session up and 30 per engine kept "
+                    "none (2026-12-04, bench/results/capacity_h200); 18 is 20 less 10 %, "
+                    "provisional until a level passes as a whole (docs/gpu.md)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
