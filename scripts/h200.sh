@@ -28,7 +28,7 @@
 #   (issue 35: every mode at 8 streams needs cores this 2-core box lacks). It needs the
 #   embedded CPU engine's wheels for Python 3.12 (scripts/h200_cpu_wheels.sh: `make` here,
 #   then one call per folder carrying .stage/cpuN: `bash scripts/h200_cpu_wheels.sh stash
-#   .stage/cpuN`, N = 1-3, before this mode). Not yet run on the device.
+#   .stage/cpuN`, N = 1-3, before this mode). Ran 2026-12-04: bench/results/failover/.
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
