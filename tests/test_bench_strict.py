@@ -26,7 +26,7 @@ from bench.capacity.ageing import (
     tail_steps,
 )
 from bench.capacity.feed import Handle
-from bench.capacity.phase import _phase
+from bench.capacity.phase import _phase, backlog_series
 
 pytestmark = pytest.mark.unit
 
@@ -166,6 +166,25 @@ def test_phase_catches_a_slow_control_session_for_real() -> None:
     assert control["backlog_growth_s"] > rule.GROWTH_MAX_S
     assert control["frames_per_s"] == pytest.approx(10.0, abs=0.5)
     assert result["reanchors_in_phase"]["reanchors"] == 0  # the same before and after
+    # the measured sessions' backlog through the window, every 5 s: both keep up
+    series = result["backlog_series"]
+    assert [p[0] for p in series] == pytest.approx([0.0, 5.0], abs=0.3)
+    assert all(0 <= mean <= top < 0.5 for _, mean, top in series), series
+
+
+def test_backlog_series_shows_when_sessions_fell_behind() -> None:
+    """Two sessions over 20 s sampled every 0.25 s: the second stops decoding at 15 s.
+    The series (mean, max every 5 s) is flat until then and shows the fall after."""
+    window = []
+    for k in range(81):
+        t = k * 0.25
+        sent = int(t / 0.08)
+        window.append((100.0 + t, [sent, sent], [sent, min(sent, int(15 / 0.08))]))
+    series = backlog_series(window, 100.0, [0, 0], 2)
+    assert [p[0] for p in series] == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert [p[2] for p in series[:4]] == [0.0, 0.0, 0.0, 0.0]
+    assert series[4][2] == pytest.approx(5.0, abs=0.1)  # 5 s of audio not decoded
+    assert series[4][1] == pytest.approx(2.5, abs=0.1)  # the mean of the two
 
 
 def test_phase_cut_to_its_deadline() -> None:

@@ -191,6 +191,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             decoded_frames=window[-1][2][i] - window[0][2][i])})
     return {
         "fps": fps,
+        "backlog_series": backlog_series(window, marks["t"], at_t0, n),
         "sessions": verdicts[:n],
         "controls": [{**v, "speed": control_speed} for v in verdicts[n:]],
         "window_s": round(elapsed, 2), "seconds_planned": planned_s,
@@ -207,6 +208,26 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         **({"gpu_trace": gpu_trace} if gpu_trace else {}),
         **({"segments": windows} if segments else {}),
     }
+
+
+SERIES_S = 5.0
+
+
+def backlog_series(window: list[tuple[float, list[int], list[int]]], t0: float,
+                   at_t0: list[int], n: int, every_s: float = SERIES_S) -> list[list[float]]:
+    """The backlog of the `n` measured sessions through the window, every `every_s`:
+    [seconds into the window, mean, max] (s). When a level fails, this says whether its
+    sessions fell behind steadily, in one stall, or late (the 90-session run of 2026-12-04
+    peaked at the window's end; the verdicts alone could not say when it began)."""
+    out: list[list[float]] = []
+    due = 0.0
+    for t, arrived, decoded in window:
+        if t - t0 + 1e-9 < due or not n:
+            continue
+        backlog = [(arrived[i] - (decoded[i] - at_t0[i])) * 0.08 for i in range(n)]
+        out.append([round(t - t0, 1), round(sum(backlog) / n, 2), round(max(backlog), 2)])
+        due += every_s
+    return out
 
 
 def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -111,7 +111,8 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
             "seconds_planned": a.get("seconds_planned"), "seconds_fed": a.get("seconds_fed"),
             "reanchors_in_phase": a.get("reanchors_in_phase"),
             "stock_rollovers": a.get("stock_rollovers"),
-            "age_tails_frames": a.get("age_tails_frames")})
+            "age_tails_frames": a.get("age_tails_frames"),
+            "backlog_series": a.get("backlog_series")})
     tails = [t for a in answers for t in a.get("age_tails_frames") or []]
     return {
         "config": config, "streams": n, "verdict": verdict,
