@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.capacity import render, results, rule
+from bench.capacity import render, results, rule, strict
 from bench.capacity.ageing import (
     ALIGN,
     ageing_frames,
@@ -170,6 +170,13 @@ def test_phase_catches_a_slow_control_session_for_real() -> None:
     series = result["backlog_series"]
     assert [p[0] for p in series] == pytest.approx([0.0, 5.0], abs=0.3)
     assert all(0 <= mean <= top < 0.5 for _, mean, top in series), series
+
+
+def test_gpu_util_series_starts_at_the_window() -> None:
+    stamps = [100.0 + k for k in range(20)]
+    util = [50.0] * 10 + [90.0, 100.0] * 5
+    # the window opens at 108: 8 samples before it are left out
+    assert strict.util_series(util, stamps, 108.0) == [[0.0, 76.0], [5.0, 96.0], [10.0, 95.0]]
 
 
 def test_backlog_series_shows_when_sessions_fell_behind() -> None:

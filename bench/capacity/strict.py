@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.capacity import results, rule  # noqa: E402
+from bench.capacity.phase import SERIES_S  # noqa: E402
 
 KIND = "capacity_strict"
 MARK_SLACK_S = 2.0
@@ -215,6 +216,18 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
         await stop_all(fronts)
 
 
+def util_series(util: list[float], stamps: list[float], t0: float,
+                every_s: float = SERIES_S) -> list[list[float]]:
+    """nvidia-smi's GPU busy share (sampled every second) from `t0` on, as [seconds after
+    t0, mean %] every `every_s`: beside each engine's `backlog_series`, so a fall behind can
+    be read against what the GPU did then."""
+    buckets: dict[int, list[float]] = {}
+    for u, t in zip(util, stamps, strict=True):
+        if t >= t0:
+            buckets.setdefault(int((t - t0) // every_s), []).append(u)
+    return [[k * every_s, round(sum(v) / len(v), 1)] for k, v in sorted(buckets.items())]
+
+
 def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
             stamps: list[float], started: dict[int, Any], t_start: float) -> dict[str, Any]:
     from bench.capacity.configs import engines_of, levers_of
@@ -228,6 +241,7 @@ def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
     age_frames = age_frames_of(args)
     aged_s = max((a.get("aged_in_s") or 0.0) for a in ok)
     t_measured = min(stamps) + aged_s + args.warm if stamps else 0.0
+    series = util_series(util, stamps, t_measured)
     util = [u for u, t in zip(util, stamps, strict=True) if t >= t_measured] or util
     first = next(iter(started.values()))
     return {
@@ -236,6 +250,7 @@ def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
         "vllm_version": first.get("vllm_version"),
         "realtime_rule": rule.RULE,
         **summarize(config, n, ok, util, args.stagger_every if age_frames else 0),
+        "gpu_util_series": series,
         "engines": engines,
         "stock": stock,
         "feed": "plain (vLLM's transcribe_realtime)" if stock else (
