@@ -105,11 +105,12 @@ class Failover:
     async def withdraw_lease(self, actor_id: str) -> bool:
         """Ray says the ASR actor's process is gone (a watch on it failed): its lease ends
         now instead of at its expiry, so its streams move at once. On the lent H200 Ray's
-        signal came before the lease lapsed, and the pass it started then waited on the
-        restarting actor: streams moved ~3 s after the kill, against ~2 s for a frozen
-        node (bench/results/failover/README.md). The key is deleted, so a renewal the
-        process made just before it died cannot look like it is back; the value last read
-        is kept too, so a read in flight across the delete cannot either. A process that
+        signal came before the lease lapsed and streams moved ~3 s after the kill, against
+        ~2 s for a frozen node (bench/results/failover/README.md; the log has no times:
+        most likely the pass the signal started waited on the restarting actor). The key
+        is deleted, so a renewal the process made just before it died cannot look like it
+        is back; the value last read is kept too, so a read in flight across the delete
+        cannot either. A process that
         is in fact alive renews within `RENEW_S`: its lease is back, and a stream moved
         off it meanwhile is removed there (the new owner's claim fences its captions).
         False where leases are off, or this actor's was never seen."""
