@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -53,6 +54,7 @@ from typing import Any
 
 import jiwer
 
+log = logging.getLogger("bench.failover")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -233,6 +235,7 @@ async def run_round(mode: str, args: argparse.Namespace, node: Any) -> dict[str,
             out["fault_happened"] = happened
             out["fault_pids"] = len(fault.pids)
         killed_wall = time.monotonic()
+        log.warning("%s: fault done (%d processes)", mode, len(fault.pids))
 
         back: dict[str, float] = {}
         ingest = runtime.ingest.get("ingest-0")
@@ -406,6 +409,11 @@ def main() -> int:
                     help="decode threads per ASR actor (the product's default, 2)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    # Times on stderr: which came first, Ray's death signal or the lease's lapse, and how
+    # long the moves took after the fault (the first H200 run's log had no times).
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s.%(msecs)03d %(name)s %(message)s",
+                        datefmt="%H:%M:%S")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if bad := [m for m in modes if m not in MODES]:
         ap.error(f"unknown mode(s): {bad}")
