@@ -14,7 +14,8 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from orchestrator import metrics
 from orchestrator.actor_options import stream_options
@@ -24,6 +25,13 @@ from workers.aio import wait_for
 from workers.bus import RedisBus, connect_redis
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LeaseLapsed(Exception):
+    """An ASR actor's lease lapsed while a call to it was pending (Failover.ask)."""
+
 
 SPARE_WARM_DELAY_S = 5.0
 """A restarted ASR actor (its streams moved) starts its engine this long after it answers,
@@ -58,7 +66,44 @@ class Failover:
         def _replace_dead_engine(self, actor_id: str, handle: Any, state: dict[str, Any]
                                  ) -> None: ...
         def _export_placement(self) -> None: ...
+        def _actor_up(self, actor_id: str, role: str, up: bool) -> None: ...
         async def _report_status(self) -> None: ...
+
+    async def ask(self, actor_id: str, call: Awaitable[T], timeout_s: float) -> T:
+        """`await call` (a Ray call to the ASR actor `actor_id`) for at most `timeout_s`,
+        cut short with `LeaseLapsed` as soon as the actor's lease lapses meanwhile. A pass
+        asks every actor in turn, and one that froze or vanished just before the pass
+        reached it does not answer: without this the pass waited its whole timeout (20 s)
+        even though the lease said "down" after 1.5 s, and every stream of every actor
+        waited with it (a node vanished on a loaded 2-core host: the pass held 2 s on it
+        after its lease lapsed, 2026-12-04)."""
+        task = asyncio.ensure_future(call)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{actor_id} did not answer in {timeout_s} s")
+                done, _ = await asyncio.wait({task}, timeout=min(0.1, left))
+                if done:
+                    return task.result()
+                if actor_id in self._lease_lapsed:
+                    raise LeaseLapsed(actor_id)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _mark_lapsed(self, actor_id: str, handle: Any, now: float,
+                     problems: list[str]) -> None:
+        """Down at once (its streams move at the end of this pass); asked over Ray in the
+        background only, where a dead engine gets the actor replaced."""
+        problems.append(f"{actor_id}: lease lapsed")
+        self._actor_up(actor_id, "asr", False)
+        # down for sure: no restart to wait for (a death signal's pass may have started
+        # that wait already)
+        self._down_since[actor_id] = min(self._down_since.get(actor_id, now),
+                                         now - self.cfg.engine.failover_after_s)
+        self._probe_lapsed(actor_id, handle)
 
     def _probe_lapsed(self, actor_id: str, handle: Any, timeout_s: float = 5.0) -> None:
         """Ask an actor whose lease lapsed how it is, off the pass: one that answers

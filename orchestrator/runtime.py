@@ -34,7 +34,7 @@ from orchestrator.actor_options import (
     translation_host_options,
 )
 from orchestrator.config import EventConfig
-from orchestrator.failover import Failover
+from orchestrator.failover import Failover, LeaseLapsed
 from orchestrator.hot_apply import HotApply
 from orchestrator.ray_actors import AsrActor, IngestActor, TranslatorActor
 from orchestrator.ray_metrics import write_ray_metrics_targets
@@ -282,22 +282,15 @@ class EventRuntime(Failover, HotApply):
             want = {s for s, a in self.router.pins.items() if a == actor_id}
             now = time.monotonic()
             if actor_id in self._lease_lapsed:
-                # Down at once (its streams move below); asked over Ray in the background
-                # only, where a dead engine gets the actor replaced.
-                problems.append(f"{actor_id}: lease lapsed")
-                self._actor_up(actor_id, "asr", False)
-                # down for sure: no restart to wait for (a death signal's pass may have
-                # started that wait already)
-                self._down_since[actor_id] = min(self._down_since.get(actor_id, now),
-                                                 now - failover_s)
-                self._probe_lapsed(actor_id, handle)
+                self._mark_lapsed(actor_id, handle, now, problems)
                 continue
             # After Ray's death signal a restarted process answers at once (state never
             # waits for the engine), so failover_after_s is enough to tell; without one,
             # a slow answer is a busy actor (a saturated vLLM front end), not a dead one.
             wait_s = min(timeout_s, failover_s) if actor_id in self._died_at else timeout_s
             try:
-                state = await wait_for(handle.state.remote(), wait_s)
+                # (cut short if its lease lapses meanwhile: Failover.ask)
+                state = await self.ask(actor_id, handle.state.remote(), wait_s)
                 if state.get("pid") is not None and \
                         self._replacing.get(actor_id) == state["pid"]:
                     problems.append(f"{actor_id}: replacement pending")
@@ -310,7 +303,10 @@ class EventRuntime(Failover, HotApply):
                     self._replace_dead_engine(actor_id, handle, state)
                     problems.append(f"{actor_id}: engine dead, actor replaced")
                     continue
-                have = set(await wait_for(handle.streams.remote(), timeout_s))
+                have = set(await self.ask(actor_id, handle.streams.remote(), timeout_s))
+            except LeaseLapsed:  # it froze or vanished while this pass waited on it
+                self._mark_lapsed(actor_id, handle, time.monotonic(), problems)
+                continue
             except ActorDiedError as exc:  # dead for good (no restart left): move now
                 problems.append(f"{actor_id}: {type(exc).__name__}")
                 self._actor_up(actor_id, "asr", False)

@@ -376,3 +376,60 @@ async def test_rays_death_signal_moves_a_stream_before_the_lease_would_lapse(
           "failover_after_s 30 s)")
     assert moved_s <= BOUND_S, moved_s
     assert metrics.LEASE_LAPSES.labels(actor="sig-0")._value.get() == lapses_before + 1
+
+
+async def test_a_pass_waiting_on_an_actor_that_froze_lets_go_when_its_lease_lapses(
+        cluster: Cluster, bus: RedisBus, redis_url: str) -> None:
+    """A supervisor pass asks every actor in turn. One that froze just before the pass
+    reached it does not answer; the pass used to wait its whole timeout (20 s) while every
+    stream waited with it, though the lease said "down" after 1.5 s. Here a pass holding
+    the control lock (as every pass does) reaches the actor right after SIGSTOP: it lets go
+    when the lease lapses (Failover.ask) and the stream moves within the 5 s bound."""
+    runtime = EventRuntime(parse_event(FROZEN_EVENT.format(url=redis_url)),
+                           redis_url=redis_url)
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
+    actors = ("held-0", "held-1")
+    for actor_id in actors:
+        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
+                                            resources={"node_a": 1}).remote(
+            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
+                           read_block_ms=100, lease_ttl_s=1.5),
+            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
+    runtime.router = Router(budget=1, actors=list(actors))
+    frozen, spare = runtime.asr["held-0"], runtime.asr["held-1"]
+    pid = None
+    supervisor = None
+    try:
+        await runtime.place_all()
+        await runtime.warm_spares()
+        assert runtime.router.pins == {"foyer": "held-0"}
+        pid = (await frozen.state.remote())["pid"]
+        supervisor = asyncio.create_task(runtime.supervise(every_s=120))
+
+        async def leases_seen() -> bool:
+            return runtime._lease_seen == set(actors)
+
+        await eventually(leases_seen, 10, "both leases seen")
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+
+        async def one_pass() -> list[str]:
+            async with runtime.control_lock:  # the lapse's own pass waits for this one
+                return await runtime.reconcile()
+
+        problems = await asyncio.wait_for(one_pass(), 30)
+        pass_s = time.monotonic() - frozen_at
+        moved = runtime.router.pins.get("foyer") == "held-1" and "foyer" in (
+            await asyncio.wait_for(spare.streams.remote(), 5))
+    finally:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if supervisor is not None:
+            supervisor.cancel()
+        for handle in runtime.asr.values():
+            ray.kill(handle, no_restart=True)
+    print(f"foyer: the pass let go of the frozen actor after {pass_s:.1f} s: {problems}")
+    assert "held-0: lease lapsed" in problems
+    assert moved, runtime.router.pins
+    assert pass_s <= BOUND_S, pass_s
