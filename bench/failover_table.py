@@ -12,7 +12,6 @@ silence there is the CPU's). tests/test_failover_table.py fails when a table is 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -96,16 +95,9 @@ def check(folder: Path = FOLDER, targets: tuple[Path, ...] = TARGETS) -> list[st
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true")
-    if ap.parse_args().check:
-        wrong = check()
-        for w in wrong:
-            print(f"{w}: its failover table differs from bench/results/failover "
-                  "(run python -m bench.failover_table)", file=sys.stderr)
-        return 1 if wrong else 0
-    tables.write(TARGETS, START, END, table)
-    return 0
+    return tables.main(__doc__.split("\n\n")[0], TARGETS, START, END, table, check,
+                       "failover table differs from bench/results/failover",
+                       "python -m bench.failover_table")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ on it: a table is never typed by hand)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,3 +37,19 @@ def write(targets: tuple[Path, ...], start: str, end: str,
           table: Callable[[Path], str]) -> None:
     for target in targets:
         target.write_text(rendered(target.read_text(), start, end, table(target.parent)))
+
+
+def main(description: str, targets: tuple[Path, ...], start: str, end: str,
+         table: Callable[[Path], str], check: Callable[[], list[str]], what: str,
+         command: str) -> int:
+    """A renderer's command line: rewrite the tables, or with --check exit 1 naming each
+    page whose table is stale. `what`: the table and its folder, for that message."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--check", action="store_true")
+    if ap.parse_args().check:
+        wrong = check()
+        for w in wrong:
+            print(f"{w}: its {what} (run {command})", file=sys.stderr)
+        return 1 if wrong else 0
+    write(targets, start, end, table)
+    return 0

@@ -10,7 +10,6 @@ tests/test_capacity_tables.py fails when a table and its files disagree.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -81,17 +80,9 @@ def check(folder: Path = FOLDER, targets: tuple[Path, ...] = TARGETS) -> list[st
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true")
-    a = ap.parse_args()
-    if a.check:
-        wrong = check()
-        for w in wrong:
-            print(f"{w}: its capacity table differs from bench/results/capacity_h200 "
-                  "(run python -m bench.capacity.render)", file=sys.stderr)
-        return 1 if wrong else 0
-    tables.write(TARGETS, START, END, table)
-    return 0
+    return tables.main(__doc__.split("\n\n")[0], TARGETS, START, END, table, check,
+                       "capacity table differs from bench/results/capacity_h200",
+                       "python -m bench.capacity.render")
 
 
 if __name__ == "__main__":
