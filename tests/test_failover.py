@@ -85,6 +85,28 @@ def caption_back_s(caps: list[Any], fault_epoch: float, fault_audio_s: float) ->
     return min(after) - fault_epoch if after else float("inf")
 
 
+def asr_actors(runtime: EventRuntime, redis_url: str, actors: tuple[str, ...],
+               lease_ttl_s: float = 1.5, on_b: tuple[str, ...] = ()) -> None:
+    """The test's ASR actors (tiny.en, one stream each, restarted by Ray), on node a but
+    those in `on_b`, and a router over them."""
+    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
+    for actor_id in actors:
+        node = "node_b" if actor_id in on_b else "node_a"
+        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
+                                            resources={node: 1}).remote(
+            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
+                           read_block_ms=100, lease_ttl_s=lease_ttl_s),
+            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
+    runtime.router = Router(budget=1, actors=list(actors))
+
+
+async def leases_seen(runtime: EventRuntime, actors: tuple[str, ...]) -> None:
+    async def seen() -> bool:
+        return runtime._lease_seen == set(actors)
+
+    await eventually(seen, 10, "every lease seen")
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     nodes = Cluster(initialize_head=True,
@@ -102,15 +124,8 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
     pcm = b"".join(decode_pcm16(AUDIO / f"{n}.flac") for n in REFERENCE_FILES)
     pcm += bytes(3 * 2 * SAMPLE_RATE)  # the last sentence ends
     runtime = EventRuntime(parse_event(EVENT.format(url=redis_url)), redis_url=redis_url)
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
-    for actor_id in ACTORS:
-        node = "node_b" if actor_id == "asr-1" else "node_a"
-        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
-                                            resources={node: 1}).remote(
-            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=1.5),
-            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
-    runtime.router = Router(budget=1, actors=list(ACTORS))
+    asr_actors(runtime, redis_url, ACTORS, on_b=("asr-1",))
+    assert runtime.router is not None
     def placed() -> float:
         """Streams added back to a restarted actor or moved to another, over node a."""
         return (metrics.STREAM_READDS.labels(actor="asr-0")._value.get()
@@ -237,15 +252,8 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
     pcm += bytes(3 * 2 * SAMPLE_RATE)
     runtime = EventRuntime(parse_event(FROZEN_EVENT.format(url=redis_url)),
                            redis_url=redis_url)
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
-    actors = ("frz-0", "frz-1")
-    for actor_id in actors:
-        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
-                                            resources={"node_a": 1}).remote(
-            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=1.5),
-            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
-    runtime.router = Router(budget=1, actors=list(actors))
+    asr_actors(runtime, redis_url, ("frz-0", "frz-1"))
+    assert runtime.router is not None
     fed = [0]
     at_freeze = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
@@ -335,15 +343,9 @@ async def test_rays_death_signal_moves_a_stream_before_the_lease_would_lapse(
     30 s, so a move within the 5 s bound can only come from the signal."""
     runtime = EventRuntime(parse_event(SIGNAL_EVENT.format(url=redis_url)),
                            redis_url=redis_url)
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
     actors = ("sig-0", "sig-1")
-    for actor_id in actors:
-        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
-                                            resources={"node_a": 1}).remote(
-            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=10.0),
-            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
-    runtime.router = Router(budget=1, actors=list(actors))
+    asr_actors(runtime, redis_url, actors, lease_ttl_s=10.0)
+    assert runtime.router is not None
     victim, spare = runtime.asr["sig-0"], runtime.asr["sig-1"]
     lapses_before = metrics.LEASE_LAPSES.labels(actor="sig-0")._value.get()
     supervisor = None
@@ -353,11 +355,7 @@ async def test_rays_death_signal_moves_a_stream_before_the_lease_would_lapse(
         assert runtime.router.pins == {"lobby": "sig-0"}
         pid = (await victim.state.remote())["pid"]
         supervisor = asyncio.create_task(runtime.supervise(every_s=120))
-
-        async def leases_seen() -> bool:
-            return runtime._lease_seen == set(actors)
-
-        await eventually(leases_seen, 10, "both leases seen")
+        await leases_seen(runtime, actors)
         killed_at = time.monotonic()
         os.kill(pid, signal.SIGKILL)  # Ray restarts it; its last lease stands 10 s
 
@@ -387,15 +385,9 @@ async def test_a_pass_waiting_on_an_actor_that_froze_lets_go_when_its_lease_laps
     when the lease lapses (Failover.ask) and the stream moves within the 5 s bound."""
     runtime = EventRuntime(parse_event(FROZEN_EVENT.format(url=redis_url)),
                            redis_url=redis_url)
-    cls = ray.remote(num_cpus=0, max_restarts=-1)(AsrActor)
     actors = ("held-0", "held-1")
-    for actor_id in actors:
-        runtime.asr[actor_id] = cls.options(name=f"babelcast-failover-{actor_id}",
-                                            resources={"node_a": 1}).remote(
-            AsrHostOptions(actor_id=actor_id, redis_url=redis_url, max_streams=1,
-                           read_block_ms=100, lease_ttl_s=1.5),
-            EmbeddedEngineOptions(model="tiny.en", cpu_threads=1))
-    runtime.router = Router(budget=1, actors=list(actors))
+    asr_actors(runtime, redis_url, actors)
+    assert runtime.router is not None
     frozen, spare = runtime.asr["held-0"], runtime.asr["held-1"]
     pid = None
     supervisor = None
@@ -405,11 +397,7 @@ async def test_a_pass_waiting_on_an_actor_that_froze_lets_go_when_its_lease_laps
         assert runtime.router.pins == {"foyer": "held-0"}
         pid = (await frozen.state.remote())["pid"]
         supervisor = asyncio.create_task(runtime.supervise(every_s=120))
-
-        async def leases_seen() -> bool:
-            return runtime._lease_seen == set(actors)
-
-        await eventually(leases_seen, 10, "both leases seen")
+        await leases_seen(runtime, actors)
         os.kill(pid, signal.SIGSTOP)
         frozen_at = time.monotonic()
 
