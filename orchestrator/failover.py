@@ -55,7 +55,6 @@ class Failover:
     _lagging_actors: set[str]
     _lease_seen: set[str]
     _lease_lapsed: dict[str, float]
-    _lease_last: dict[str, Any]
     _lease_stale: dict[str, Any]
     _probing: set[str]
     lease_redis_restarts: int
@@ -153,11 +152,11 @@ class Failover:
         signal came before the lease lapsed and streams moved ~3 s after the kill, against
         ~2 s for a frozen node (bench/results/failover/README.md; the log has no times:
         most likely the pass the signal started waited on the restarting actor). The key
-        is deleted, so a renewal the process made just before it died cannot look like it
-        is back; the value last read is kept too, so a read in flight across the delete
-        cannot either. A process that
-        is in fact alive renews within `RENEW_S`: its lease is back, and a stream moved
-        off it meanwhile is removed there (the new owner's claim fences its captions).
+        is deleted (GETDEL), so a renewal the process made just before it died cannot look
+        like it is back, and the value deleted is kept, so a read in flight across the
+        delete cannot either. A process that is in fact alive renews within `RENEW_S`: its
+        lease is back, and a stream moved off it meanwhile is removed there (the new
+        owner's claim fences its captions).
         False where leases are off, or this actor's was never seen."""
         from workers.lease import lease_key
 
@@ -166,7 +165,7 @@ class Failover:
         try:
             redis = connect_redis(self.redis_url)
             try:
-                await wait_for(redis.delete(lease_key(actor_id)), 1.0)
+                held = await wait_for(redis.getdel(lease_key(actor_id)), 1.0)
             finally:
                 await redis.aclose()
         except Exception as exc:  # Redis away: the lease lapses on its own
@@ -175,7 +174,7 @@ class Failover:
             return False
         if actor_id not in self._lease_seen:  # the reader saw it lapse meanwhile
             return False
-        self._lease_stale[actor_id] = self._lease_last.get(actor_id)
+        self._lease_stale[actor_id] = held
         self._lease_seen.discard(actor_id)
         self._lease_lapsed[actor_id] = time.monotonic()
         metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
@@ -238,7 +237,6 @@ class Failover:
                         continue  # read before withdraw_lease deleted it: not renewed
                     if value is not None:
                         self._lease_stale.pop(actor_id, None)
-                        self._lease_last[actor_id] = value
                         self._lease_seen.add(actor_id)
                         if self._lease_lapsed.pop(actor_id, None) is not None:
                             log.warning("ASR actor %s: lease back", actor_id)

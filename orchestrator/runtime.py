@@ -102,9 +102,8 @@ class EventRuntime(Failover, HotApply):
     # hold a pass for its whole timeout), until its lease is back
     _lease_seen: set[str] = field(default_factory=set)
     _lease_lapsed: dict[str, float] = field(default_factory=dict)
-    # each lease's value as last read, and the one a withdrawn lease held (see
-    # Failover.withdraw_lease: reading that again is not the actor back)
-    _lease_last: dict[str, Any] = field(default_factory=dict)
+    # the value a withdrawn lease held (Failover.withdraw_lease: reading it again is not
+    # the actor back)
     _lease_stale: dict[str, Any] = field(default_factory=dict)
     _probing: set[str] = field(default_factory=set)
     lease_redis_restarts: int = 0  # Redis restarts or stalls the lease reader saw
