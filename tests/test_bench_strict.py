@@ -276,6 +276,16 @@ def test_the_strict_bench_parses_its_device_command() -> None:
         "kv_cache_memory_bytes"] == 30 * 2**30
     assert "kv_cache_memory_bytes" not in engine_kwargs(opts, {"kv_cache_memory_bytes"})
     assert shutil.which("python3")
+    # unprofiled by default; --profile-dir names one py-spy file per front end, and only
+    # --gpu-profile gives the engine core a torch profiler folder
+    assert strict.profile_path(a, 1) is None and strict.profiling(a, []) == {"profiled": None}
+    spied = strict.parse(["--model", "m", "--config", "project-direct-x3+melspec", "--streams",
+                          "75", "--profile-dir", "/tmp/p"])
+    assert strict.profile_path(spied, 2) == "/tmp/p/project-direct-x3_melspec-75-fe2.txt"
+    assert strict.engine_options(spied, 3, 25, 2).torch_profiler_dir is None
+    both = strict.parse(["--model", "m", "--config", "project-direct-x3", "--streams", "75",
+                         "--profile-dir", "/tmp/p", "--gpu-profile"])
+    assert strict.engine_options(both, 3, 25, 3).torch_profiler_dir == "/tmp/p/torch-fe3"
 
 
 class _Stuck:

@@ -73,7 +73,21 @@ def shares(n: int, engines: int) -> list[int]:
     return [n // engines + (1 if i < n % engines else 0) for i in range(engines)]
 
 
-def engine_options(args: argparse.Namespace, engines: int, streams: int) -> Any:
+def profile_path(args: argparse.Namespace, f: int) -> str | None:
+    """Front end f's py-spy profile over the measured window (`--profile-dir`)."""
+    if not args.profile_dir:
+        return None
+    return str(Path(args.profile_dir) / f"{args.config.replace('+', '_')}-{args.streams}-fe{f}.txt")
+
+
+def torch_dir(args: argparse.Namespace, f: int) -> str | None:
+    """Where front end f's engine core writes vLLM's torch profiler trace (`--gpu-profile`)."""
+    if not (args.gpu_profile and args.profile_dir):
+        return None
+    return str((Path(args.profile_dir) / f"torch-fe{f}").resolve())
+
+
+def engine_options(args: argparse.Namespace, engines: int, streams: int, f: int = 1) -> Any:
     from workers.engines.vllm.options import VllmEngineOptions
 
     stock = is_stock(args.config)
@@ -86,7 +100,7 @@ def engine_options(args: argparse.Namespace, engines: int, streams: int) -> Any:
         gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
         kv_bound_slots=False, reanchor_every=args.stagger_every,
         kv_cache_memory_bytes=(int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None),
-        **extra)
+        torch_profiler_dir=torch_dir(args, f), **extra)
 
 
 def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[float],
@@ -170,7 +184,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
         # each engine's KV cache has a given size (--kv-cache-gib): nothing to profile
         for f in range(1, engines + 1):
             k = share[f - 1] + (args.controls if f == 1 else 0)
-            fronts[f] = FrontEnd(f, engine_options(args, engines, k))
+            fronts[f] = FrontEnd(f, engine_options(args, engines, k, f))
             if not args.kv_cache_gib:
                 started[f] = await fronts[f].ready()
         if args.kv_cache_gib:
@@ -193,7 +207,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
             # longer: the 60-session run of 2026-12-04 measured 299.6 s of its 300.
             fronts[f].phase(path, share[f - 1], args.seconds + args.warm + MARK_SLACK_S,
                             firsts[f - 1],
-                            feed, age_frames,
+                            feed, age_frames, profile_path(args, f),
                             melspec=levers["melspec"] and not stock,
                             tokens=levers["tokens"] and not stock,
                             trim=(levers["trim"] if not stock else False),
@@ -265,8 +279,26 @@ def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
         "levers": {} if stock else levers,
         "front_ends": {f: {k: v for k, v in s.items() if k != "ready"}
                        for f, s in started.items()},
+        **profiling(args, ok),
         "wall_s": round(time.time() - t_start, 1),
     }
+
+
+def profiling(args: argparse.Namespace, answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What profiled the window, and the summaries: py-spy's (nonblocking, every front end
+    and its engine core, the whole window) and vLLM's torch profiler (its last
+    GPU_PROFILE_S, which slows the engine while it runs: a level judged with `--gpu-profile`
+    is marked so)."""
+    if not args.profile_dir:
+        return {"profiled": None}
+    from bench.capacity.report import gpu_profiles, summarize_profiles
+
+    out: dict[str, Any] = {"profiled": {"py_spy": True, "torch": bool(args.gpu_profile)},
+                           "profiles": summarize_profiles(args.profile_dir)}
+    if args.gpu_profile:
+        out["gpu_profile"] = gpu_profiles({f"fe{f}": a.get("gpu_trace")
+                                           for f, a in enumerate(answers, start=1)})
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -301,6 +333,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="the feed ends by this many seconds after start (device calls)")
     ap.add_argument("--out", default=None, help="write the stamped JSON here too")
+    ap.add_argument("--profile-dir", default=None,
+                    help="py-spy every front end and engine core over the window (raw "
+                         "profiles here, summaries in the JSON's `profiles`)")
+    ap.add_argument("--gpu-profile", action="store_true",
+                    help="with --profile-dir: vLLM's torch profiler over the window's last "
+                         "seconds too (it slows the engine then; the JSON says `profiled`)")
     return ap.parse_args(argv)
 
 
