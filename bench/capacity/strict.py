@@ -201,6 +201,11 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
         stamps: list[float] = []
         util_task = asyncio.create_task(_gpu_util(stop, util, stamps))
         firsts = [sum(share[:i]) for i in range(engines)]
+        # every engine's real-time feed starts together, once all have aged: an engine
+        # that finished ageing first began its warm-up while the others' bulk ageing steps
+        # held the GPU, and entered the window seconds behind (2026-12-04, 75 sessions:
+        # engine 1 3.3 s behind at the window's start, the other two 0.08 s)
+        together = asyncio.Barrier(engines) if age_frames else None
         answers = await asyncio.gather(*(
             # _phase feeds warm-up + window: the window is `--seconds` after the warm-up.
             # Its start waits for the engine's counters, so the feed runs MARK_SLACK_S
@@ -215,7 +220,8 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
                             control_speed=args.control_speed,
                             stagger=({"total": n, "every": args.stagger_every}
                                      if age_frames and args.stagger_every else None),
-                            own_tokens=True, warm_s=args.warm, deadline=deadline)
+                            own_tokens=True, warm_s=args.warm, deadline=deadline,
+                            barrier=together)
             for f in range(1, engines + 1)), return_exceptions=True)
         stop.set()
         await util_task
