@@ -61,6 +61,10 @@ class FakeVllmBackend:
     fed_back: int = 0
     max_ahead: int = 0
     """Most samples the buffer held beyond what its next prompt needed."""
+    handed_at: list[tuple[int, float]] = field(default_factory=list)
+    """(session, time.monotonic()) of every audio array a session handed to the buffer;
+    sessions numbered in the order their prompts began."""
+    prompt_calls: int = 0
     shutdowns: int = 0
     stats: dict[str, Any] | None = None
     direct_sessions: int = 0
@@ -100,12 +104,15 @@ class FakeVllmBackend:
     async def prompts(self, audio: AsyncIterator[np.ndarray],
                       tokens: asyncio.Queue[list[int]]) -> AsyncIterator[Any]:
         q: asyncio.Queue[int | None] = asyncio.Queue()
+        me = self.prompt_calls
+        self.prompt_calls += 1
         drained = consumed = 0
         need = self.first * FRAME
 
         async def drain() -> None:  # the real buffer's feed_audio task: as eager as it is
             nonlocal drained
             async for a in audio:
+                self.handed_at.append((me, time.monotonic()))
                 drained += int(a.size)
                 self.max_ahead = max(self.max_ahead, drained - consumed - need)
                 q.put_nowait(int(a.size))

@@ -78,7 +78,7 @@ from workers.engines.vllm.options import (  # re-exported: the engine's public n
     wants_reanchor,
 )
 from workers.engines.vllm.seams import VllmBackend
-from workers.engines.vllm.session import FrameMap, VllmVoxtralSession
+from workers.engines.vllm.session import FeedGrid, FrameMap, VllmVoxtralSession
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,8 @@ class VllmVoxtralEngine(SpeechEngine):
         # and by its check there (checks.py), which says why it renders (`direct_why`)
         self.direct_input = options.direct_input == "on"
         self.direct_why: str | None = None
+        self.feed_grid = (FeedGrid(options.aligned_feed_ms / 1000)
+                          if options.aligned_feed_ms else None)
         self.max_sessions = options.max_streams + headroom(options)
         self.sessions_open = 0
         self.aborts = 0
@@ -404,6 +406,8 @@ class VllmVoxtralEngine(SpeechEngine):
                 "engine_token_writes": "incremental" if self.token_writes.get("on") else "vllm",
                 "engine_attention": (f"window-{self.window_trim.get('mode') or 'blocks'}"
                                      if self.window_trim.get("on") else "vllm"),
+                "engine_feed": (f"aligned {self.options.aligned_feed_ms} ms"
+                                if self.feed_grid else "as it arrives"),
                 "engine_mps": "on" if self.mps_served else "off",
                 "engine_mps_why": self.mps_why or "",
                 "engine_session_slots": str(self.max_sessions),
@@ -423,4 +427,7 @@ class VllmVoxtralEngine(SpeechEngine):
                 "reanchor_deferred": float(sum(counts.get("deferred", {}).values())),
                 "reanchor_rotation_failures": float(counts.get("rotation_failed", 0)),
                 "reanchor_preempted_ended": float(counts.get("preempted_ended", 0)),
-                "reanchor_overruns": self.overruns, "request_errors": self.request_errors}
+                "reanchor_overruns": self.overruns, "request_errors": self.request_errors,
+                **({"feed_held": float(self.feed_grid.waits),
+                    "feed_held_s": round(self.feed_grid.waited_s, 3)}
+                   if self.feed_grid else {})}

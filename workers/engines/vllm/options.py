@@ -97,6 +97,16 @@ class VllmEngineOptions:
     decode step reads exactly its window with FA3's plain causal kernel, 1.38-1.81 × vLLM's
     call on an aged fp8 decoder layer; 11-15 points less GPU busy at 96 aged, no capacity
     gain shown: the engine core's CPU bounds it there), else "blocks"."""
+    aligned_feed_ms: int = 0
+    """Hand a caught-up session's chunk to the model on a tick every this many ms, shared
+    by every session of the engine (session.FeedGrid), instead of the moment it arrives;
+    0: as it arrives. Streams arrive at their own places in the 80 ms cycle, and each
+    place costs the engine core a step of its own; on one tick, one step carries them all.
+    Costs up to one tick of caption latency (half on average); a session that is behind
+    is never held. On the H200 (2026-12-04) the engine whose sessions' chunks did not all
+    arrive together spent 17-21 % more engine-core CPU per chunk than its peers whose did
+    (bench/results/capacity_h200/README.md); this lever is not yet measured: benchmarks
+    only until it is (bench.capacity.strict `--aligned-feed-ms 80`)."""
     cuda_mps: bool = False
     """The operator says the GPU node runs CUDA MPS (`engine.vllm.cuda_mps`): the engine
     refuses to start where MPS does not serve it (its budget assumed MPS): no daemon

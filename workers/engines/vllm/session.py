@@ -8,8 +8,9 @@ import asyncio
 import bisect
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -56,6 +57,31 @@ class FrameMap:
         return self._stream[i] + model_offset - self._model[i]
 
 
+class FeedGrid:
+    """One engine's shared tick (`aligned_feed_ms`): sessions that wait for it are handed
+    to the model in the same turn of the event loop, so the engine core can take them in
+    one step instead of one step per place in the cycle their streams arrive at."""
+
+    def __init__(self, tick_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if tick_s <= 0:
+            raise ValueError("a feed grid needs a tick > 0")
+        self.tick_s = tick_s
+        self._clock = clock
+        self._origin = clock()
+        self.waits = 0  # chunks held for the tick
+        self.waited_s = 0.0  # total time they were held
+
+    def until_next(self) -> float:
+        """Seconds to the next tick (0 on one)."""
+        return -(self._clock() - self._origin) % self.tick_s
+
+    async def next(self) -> None:
+        wait = self.until_next()
+        self.waits += 1
+        self.waited_s += wait
+        await asyncio.sleep(wait)
+
+
 class VllmVoxtralSession(RecognizeSession):
     def __init__(self, engine: SessionHost, options: SessionOptions) -> None:
         super().__init__(options)
@@ -99,6 +125,7 @@ class VllmVoxtralSession(RecognizeSession):
         wanted = asyncio.Event()
         wanted.set()
         ended = False
+        grid: FeedGrid | None = engine.feed_grid
 
         async def audio() -> AsyncIterator[np.ndarray]:
             # At the model's pace: a backlog waits in `inputs` (bounded, oldest dropped
@@ -117,6 +144,8 @@ class VllmVoxtralSession(RecognizeSession):
                 if item is END:
                     ended = True
                     return  # the buffer adds right padding, then the request ends
+                if isinstance(item, AudioChunk) and grid is not None and inputs.empty():
+                    await grid.next()  # caught up: with the engine's other sessions
                 if isinstance(item, AudioChunk):
                     self._frames.fed(item, self.fed_samples)
                     self.fed_samples += item.samples
