@@ -8,6 +8,7 @@ The GPU part (engines, ageing, vLLM) runs on the H200 only (bench/results/capaci
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import shutil
 from pathlib import Path
@@ -143,7 +144,8 @@ class RateDecoder:
             t.cancel()
 
 
-def test_phase_catches_a_slow_control_session_for_real() -> None:
+@pytest.mark.parametrize("arrivals", ["lockstep", "spread"])
+def test_phase_catches_a_slow_control_session_for_real(arrivals: str) -> None:
     audio = (np.arange(16000 * 4) % 200).astype(np.int16)
     decoders: list[RateDecoder] = []
 
@@ -156,7 +158,9 @@ def test_phase_catches_a_slow_control_session_for_real() -> None:
         return {"reanchors": 3 * len(decoders), "shift_by_request": {}}
 
     result = asyncio.run(_phase(2, 7.0, audio, start, controls=1,
-                                         control_speed=0.8, counters=counters, warm_s=1.0))
+                                         control_speed=0.8, counters=counters, warm_s=1.0,
+                                         arrivals=arrivals))
+    assert result["arrivals"] == arrivals
     assert [s["session"] for s in result["sessions"]] == [0, 1]
     for s in result["sessions"]:
         assert s["keeps_up"], s
@@ -239,12 +243,16 @@ def test_tables_are_the_kept_results(tmp_path: Path) -> None:
     doc.write_text(f"intro\n{render.START}\n{render.END}\noutro\n")
     doc.write_text(render.rendered(doc.read_text(), render.ROOT, folder))
     text = doc.read_text()
-    assert "| 110 | 12 min, staggered | 300 s | 110/110 **pass** |" in text
+    # a result that does not say how its chunks arrived was fed in lockstep
+    assert "| 110 | 12 min, staggered | lockstep | 300 s | 110/110 **pass** |" in text
     assert "104 (100 sessions)" in text and "1/1 caught" in text
     changed = json.loads((folder / "a.json").read_text())
     changed["verdict"]["keep_up"] = 109
     (folder / "a.json").write_text(json.dumps(changed))
     assert render.rendered(text, render.ROOT, folder) != text
+    spread = {**strict_result(110, 110), "arrivals": "spread", "aligned_feed_ms": 80}
+    results.save(spread, folder / "s.json")
+    assert "| spread, fed on a 80 ms tick |" in render.table(render.ROOT, folder)
     results.save(strict_result(110, 110, control_caught=False), folder / "b.json")
     assert "**instrument failed**" in render.table(render.ROOT, folder)
 
@@ -286,6 +294,26 @@ def test_the_strict_bench_parses_its_device_command() -> None:
     both = strict.parse(["--model", "m", "--config", "project-direct-x3", "--streams", "75",
                          "--profile-dir", "/tmp/p", "--gpu-profile"])
     assert strict.engine_options(both, 3, 25, 3).torch_profiler_dir == "/tmp/p/torch-fe3"
+    # arrivals spread over the cycle unless asked otherwise; the aligned feed is a project
+    # engine option, never stock's
+    assert a.arrivals == "spread" and a.aligned_feed_ms == 0
+    ticked = strict.parse(["--model", "m", "--config", "project-direct-x3", "--streams", "9",
+                           "--aligned-feed-ms", "80", "--arrivals", "lockstep"])
+    assert strict.engine_options(ticked, 3, 3).aligned_feed_ms == 80
+    assert strict.engine_options(strict.parse(
+        ["--model", "m", "--config", "stock-x3", "--streams", "9", "--aligned-feed-ms", "80"]),
+        3, 3).aligned_feed_ms == 0
+
+
+def test_spread_arrivals_cover_the_cycle_and_lockstep_does_not() -> None:
+    from bench.capacity.phase import arrival_offset_s
+
+    spread = sorted(arrival_offset_s(i, "spread") for i in range(25))
+    assert all(0 <= x < 0.08 for x in spread)
+    assert max(b - a for a, b in itertools.pairwise(spread)) < 0.08 / 25 * 2.5  # evenly
+    assert {arrival_offset_s(i, "lockstep") for i in range(25)} == {0.0}
+    with pytest.raises(ValueError, match="arrivals"):
+        arrival_offset_s(0, "random")
 
 
 class _Stuck:

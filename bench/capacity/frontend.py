@@ -342,7 +342,8 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
                                   control_speed=float(cmd.get("control_speed") or 0.97),
                                   counters=reanchor_counters if cmd.get("strict") else None,
                                   warm_s=float(cmd.get("warm_s") or WARM_S),
-                                  deadline=cmd.get("deadline"))
+                                  deadline=cmd.get("deadline"),
+                                  arrivals=cmd.get("arrivals") or "lockstep")
             if tails_given:
                 result["age_tails_frames"] = tails_given
             if path == "stock":
@@ -416,7 +417,7 @@ class FrontEnd:
                     pin_at: tuple[int, int] = (0, 1), **strict: Any) -> dict[str, Any]:
         """One phase on this front end. `strict` (bench.capacity.strict): `strict`,
         `controls`, `control_speed`, `stagger` ({"total", "every"}), `own_tokens`,
-        `warm_s`."""
+        `warm_s`, `arrivals` (phase.ARRIVALS)."""
         self.conn.send({"op": "phase", "path": path, "n": n, "seconds": seconds,
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,

@@ -23,6 +23,27 @@ WARM_S = 3.0
 GPU_PROFILE_S = 2.0
 """Seconds of vLLM's torch profiler per profiled phase (`--gpu-profile`): ~25-40 engine
 steps per engine, and a trace the engine core writes in seconds when it stops."""
+ARRIVALS = ("lockstep", "spread")
+"""When each session's 80 ms chunks arrive within the 80 ms cycle. "lockstep": all at the
+same instant (every run kept before 2026-12-04's last ones): the engine can take every
+session in one step per chunk, a best case no event gives it. "spread": session i's
+chunks come `arrival_offset_s(i)` into the cycle, spread evenly as independent encoders'
+are. On the H200 (2026-12-04, 75 aged on three engines, 60 stock on three), the one engine
+that also ran the control session, whose chunks drift through the cycle at 97 %, spent
+17-21 % more engine-core CPU per chunk than its two peers and was the only one whose
+sessions fell behind."""
+GOLDEN = 0.6180339887498949
+
+
+def arrival_offset_s(session: int, arrivals: str) -> float:
+    """Seconds into the 80 ms cycle at which a session's chunks arrive."""
+    if arrivals == "lockstep":
+        return 0.0
+    if arrivals == "spread":  # low-discrepancy: any run of sessions covers the cycle evenly
+        return (session * GOLDEN) % 1.0 * 0.08
+    raise ValueError(f"arrivals must be one of {ARRIVALS}, not {arrivals!r}")
+
+
 SWITCH_SLACK_S = 1.0
 """Feed time per in-phase A/B window beyond the window itself: the levers switch (an
 engine-core call between steps) before the window's clock starts, so the feed must last
@@ -39,6 +60,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
                  controls: int = 0, control_speed: float = 0.97,
                  counters: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  warm_s: float = WARM_S, deadline: float | None = None,
+                 arrivals: str = "lockstep",
                  ) -> dict[str, Any]:
     """Run n sessions (numbered from `first`, so front ends feed different audio);
     `start(i)` returns (push a PCM16 frame, outputs so far, close); `before()` is awaited
@@ -64,7 +86,9 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     awaited at the window's start and end, gives the engine's re-anchoring counters; the
     result has their difference (`reanchors_in_phase`). `deadline` (wall clock,
     time.time()): the feed, planned after ageing, ends by then however long ageing took
-    (a device call has a hard limit); the result says what was planned and what ran."""
+    (a device call has a hard limit); the result says what was planned and what ran.
+    `arrivals` (ARRIVALS): where in the 80 ms cycle each session's chunks arrive; a
+    session's backlog counts from its own arrivals."""
     from bench.capacity import rule
 
     handles = [await start(first + i) for i in range(n + controls)]
@@ -126,6 +150,8 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
     async def pace(i: int) -> None:
         push = handles[i][0]
         offset = ((first + i) * 7919 * FRAME) % (audio.size - FRAME)
+        # a control keeps the cycle's start: its real-time sender is read off t0
+        t_i = t0 + (arrival_offset_s(first + i, arrivals) if i < n else 0.0)
         if i >= n:  # a negative control: decodes `control_speed` of real time at most
             for k in range(int(frames * control_speed)):
                 await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 / control_speed
@@ -140,7 +166,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         # out of audio as slow (the first aged A/B's last window, 11.2 frames/s p50 where
         # the others read 12.2-14.1, H200 2026-12-03, may have been that).
         while k < frames or (segments and not windows_done.is_set()):
-            await asyncio.sleep(max(0.0, t0 + (k + 1) * 0.08 - time.monotonic()))
+            await asyncio.sleep(max(0.0, t_i + (k + 1) * 0.08 - time.monotonic()))
             j = (offset + k * FRAME) % (audio.size - FRAME)
             push(audio[j : j + FRAME])  # PCM16, as a client sends it
             k += 1
@@ -194,7 +220,7 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         "backlog_series": backlog_series(window, marks["t"], at_t0, n),
         "sessions": verdicts[:n],
         "controls": [{**v, "speed": control_speed} for v in verdicts[n:]],
-        "window_s": round(elapsed, 2), "seconds_planned": planned_s,
+        "window_s": round(elapsed, 2), "seconds_planned": planned_s, "arrivals": arrivals,
         "seconds_fed": round(seconds, 1),
         **({"reanchors_in_phase": counted} if counted is not None else {}),
         # audio fed in the phase minus audio decoded in it

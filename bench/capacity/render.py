@@ -26,10 +26,10 @@ START = "<!-- capacity-table:start (bench/capacity/render.py writes this; do not
 END = "<!-- capacity-table:end -->"
 TARGETS = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
 
-HEADER = ("| run (file) | configuration | sessions | aged | phase | keep up (rule) "
-          "| frames/s p50 (min) | backlog p99 max | growth max | re-anchors in phase "
-          "| control at 97 % | GPU |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| run (file) | configuration | sessions | aged | arrivals | phase | keep up (rule) "
+          "| by engine | frames/s p50 (min) | backlog p99 max | growth max "
+          "| re-anchors in phase | control at 97 % | GPU |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _f(x: Any, fmt: str = "{}") -> str:
@@ -54,8 +54,14 @@ def row(path: Path, data: dict[str, Any], relative_to: Path) -> str:
     control = ("none" if not v["controls"] else
                f"{v['controls_caught']}/{v['controls']} caught"
                + ("" if v["instrument_ok"] else " **instrument failed**"))
+    # every run before the arrivals were recorded fed every session's chunk at one instant
+    arrivals = data.get("arrivals") or "lockstep"
+    if data.get("aligned_feed_ms"):
+        arrivals += f", fed on a {data['aligned_feed_ms']} ms tick"
+    engines = ", ".join(f"{fe['keep_up']}/{fe['sessions']}"
+                        for fe in data.get("by_front_end") or [])
     return (f"| {data['date'][:10]} ([{path.name}]({link.as_posix()})) | `{data['config']}` "
-            f"| {data['streams']} | {aged} | {phase} | {keep} "
+            f"| {data['streams']} | {aged} | {arrivals} | {phase} | {keep} | {engines or '—'} "
             f"| {_f(v['frames_per_s_p50'])} ({_f(v['frames_per_s_min'])}) "
             f"| {_f(v['backlog_p99_s_max'], '{:.2f} s')} "
             f"| {_f(v['backlog_growth_s_max'], '{:.2f} s')} | {reanchors} | {control} "
@@ -65,7 +71,7 @@ def row(path: Path, data: dict[str, Any], relative_to: Path) -> str:
 def table(relative_to: Path, folder: Path = FOLDER) -> str:
     rows = [row(p, d, relative_to) for p, d in results.load(folder, "capacity_strict")]
     if not rows:
-        return HEADER + "\n| (no strict runs kept yet) |||||||||||| "
+        return HEADER + "\n| (no strict runs kept yet) |||||||||||||| "
     return HEADER + "\n" + "\n".join(rows)
 
 

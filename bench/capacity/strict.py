@@ -25,7 +25,9 @@ What it does:
 - adds `--controls` negative-control sessions fed at `--control-speed` of real time
   (on the first engine, beyond `--streams`): the rule must fail them, or the run says
   `instrument_ok: false`;
-- feeds every session 80 ms of speech every 80 ms for `--warm` + `--seconds`, the phase
+- feeds every session 80 ms of speech every 80 ms, at its own place in the 80 ms cycle
+  (`--arrivals spread`; `lockstep` puts every session's chunk at the same instant, as
+  runs before the last of 2026-12-04 did), for `--warm` + `--seconds`, the phase
   cut short only to end by `--deadline-s` after start (then `phase_long_enough` is false
   and the level does not pass);
 - judges each session by the rule and writes the stamped JSON (results.py) to `--out`
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.capacity import results, rule  # noqa: E402
-from bench.capacity.phase import SERIES_S  # noqa: E402
+from bench.capacity.phase import ARRIVALS, SERIES_S  # noqa: E402
 
 KIND = "capacity_strict"
 MARK_SLACK_S = 2.0
@@ -100,7 +102,8 @@ def engine_options(args: argparse.Namespace, engines: int, streams: int, f: int 
         gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
         kv_bound_slots=False, reanchor_every=args.stagger_every,
         kv_cache_memory_bytes=(int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None),
-        torch_profiler_dir=torch_dir(args, f), **extra)
+        torch_profiler_dir=torch_dir(args, f),
+        aligned_feed_ms=0 if stock else args.aligned_feed_ms, **extra)
 
 
 def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[float],
@@ -221,7 +224,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
                             stagger=({"total": n, "every": args.stagger_every}
                                      if age_frames and args.stagger_every else None),
                             own_tokens=True, warm_s=args.warm, deadline=deadline,
-                            barrier=together)
+                            barrier=together, arrivals=args.arrivals)
             for f in range(1, engines + 1)), return_exceptions=True)
         stop.set()
         await util_task
@@ -278,6 +281,8 @@ def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
             "aged" if age_frames else "production" if args.production else "plain"),
         "age_min": 0 if stock else args.age_min,
         "own_tokens_fed_back": True,
+        "arrivals": args.arrivals,
+        "aligned_feed_ms": 0 if stock else args.aligned_feed_ms,
         "warm_s": args.warm, "seconds_asked": args.seconds,
         "gpu_memory_utilization_per_engine": round(args.gpu_memory_utilization / engines, 3),
         "kv_cache_dtype": args.kv_cache_dtype, "max_model_len": args.max_model_len,
@@ -339,6 +344,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="the feed ends by this many seconds after start (device calls)")
     ap.add_argument("--out", default=None, help="write the stamped JSON here too")
+    ap.add_argument("--arrivals", default="spread", choices=ARRIVALS,
+                    help="where in the 80 ms cycle sessions' chunks arrive: spread evenly, "
+                         "as independent encoders' do, or all at once (runs before "
+                         "2026-12-04's last: a best case)")
+    ap.add_argument("--aligned-feed-ms", type=int, default=0,
+                    help="project engines hand caught-up sessions' chunks to the model on "
+                         "one shared tick (engine option aligned_feed_ms); 0: as they arrive")
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy every front end and engine core over the window (raw "
                          "profiles here, summaries in the JSON's `profiles`)")
