@@ -216,9 +216,10 @@ class EngineConfig(_Strict):
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "
                     "host's cores sustain in real time for the model (with calibrate: true, "
-                    "the figure this host measured for these options, if cached), vllm its "
-                    "measured knee for sessions aged 30 min (18; orchestrator/capacity.py), "
-                    "other engines 4")
+                    "the figure this host measured for these options, if cached), vllm the "
+                    "budget for its KV type and engines per GPU (18 per engine for each; "
+                    "provisional: no level has passed the strict keep-up rule yet; "
+                    "orchestrator/capacity.py, docs/gpu.md), other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")
