@@ -353,3 +353,16 @@ async def test_engines_stop_side_by_side_and_a_hung_one_is_killed(
         fe.proc.join(5)
         assert not fe.proc.is_alive(), "a hung front end's process is killed"
     assert took < 3 * 0.5, f"stops ran one after another ({took:.1f} s)"
+
+
+def test_steps_per_second_and_their_batch_come_from_the_workers_counts() -> None:
+    from bench.capacity import strict
+    from bench.capacity.phase import _counter_diff
+
+    before = {"reanchors": 1, "steps": 1000, "step_requests": 20000}
+    after = {"reanchors": 3, "steps": 4000, "step_requests": 95000}
+    counted = _counter_diff(before, after)
+    assert counted["steps"] == 3000 and counted["step_requests"] == 75000
+    assert strict.step_rate(counted, 300.0) == {"steps_per_s": 10.0, "requests_per_step": 25.0}
+    # stock: no plugin worker, no counts
+    assert strict.step_rate({}, 300.0) == {"steps_per_s": None, "requests_per_step": None}

@@ -263,7 +263,8 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     if not before or not after:
         return {}
     out: dict[str, Any] = {}
-    for key in ("reanchors", "rotation_failed", "requests_ended", "preempted_ended"):
+    for key in ("reanchors", "rotation_failed", "requests_ended", "preempted_ended",
+                "steps", "step_requests"):
         out[key] = int(after.get(key, 0)) - int(before.get(key, 0))
     out["deferred"] = (sum(int(v) for v in (after.get("deferred") or {}).values())
                        - sum(int(v) for v in (before.get("deferred") or {}).values()))

@@ -128,6 +128,7 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
             "aged_in_s": a.get("aged_in_s"), "window_s": a["window_s"],
             "seconds_planned": a.get("seconds_planned"), "seconds_fed": a.get("seconds_fed"),
             "reanchors_in_phase": a.get("reanchors_in_phase"),
+            **step_rate(a.get("reanchors_in_phase") or {}, a["window_s"]),
             "stock_rollovers": a.get("stock_rollovers"),
             "age_tails_frames": a.get("age_tails_frames"),
             "backlog_series": a.get("backlog_series")})
@@ -144,6 +145,17 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
         "sessions": sessions,
         "controls": controls,
     }
+
+
+def step_rate(counted: dict[str, Any], window_s: float) -> dict[str, Any]:
+    """Engine steps per second in the window and requests per step (the plugin worker's
+    counts; stock has no plugin: none): an engine whose sessions' chunks do not arrive
+    together takes more, smaller steps for the same audio."""
+    steps = int(counted.get("steps") or 0)
+    if not steps or window_s <= 0:
+        return {"steps_per_s": None, "requests_per_step": None}
+    return {"steps_per_s": round(steps / window_s, 1),
+            "requests_per_step": round(int(counted.get("step_requests") or 0) / steps, 2)}
 
 
 STOP_S = 20.0

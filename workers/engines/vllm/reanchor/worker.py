@@ -199,11 +199,14 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         raised, each request ended (fail closed; `requests_ended`), as is each re-anchored
         request vLLM preempted (`preempted_ended`); `live_blocks`: the KV blocks each
         request's last re-anchor re-rotated, per cache group (constant once it is older
-        than every window)."""
+        than every window); `steps`, `step_requests`: engine steps that scheduled any
+        request, and the requests they scheduled (their ratio: how well steps batch)."""
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
                 "deferred": dict(self._bc_failures()),
                 "rotation_failed": self._bc_counts()["rotation_failed"],
+                "steps": self._bc_counts()["steps"],
+                "step_requests": self._bc_counts()["step_requests"],
                 "requests_ended": ROTATION_FAILURES.ended,
                 "preempted_ended": ROTATION_FAILURES.preempted_ended,
                 "shift_by_request": dict(self._bc_shifts()),
@@ -296,6 +299,11 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         self._bc_issue_ms += (time.perf_counter() - t0) * 1000
 
     def execute_model(self, scheduler_output: Any) -> Any:
+        scheduled = len(getattr(scheduler_output, "num_scheduled_tokens", None) or ())
+        if scheduled:  # steps and the requests they carried: how well steps batch
+            counts = self._bc_counts()
+            counts["steps"] += 1
+            counts["step_requests"] += scheduled
         try:
             self._bc_apply(scheduler_output)
         except Exception:  # never kill the engine core over bookkeeping
