@@ -17,7 +17,12 @@ from bench.capacity.configs import engines_of, front_end_streams
 from bench.capacity.frontend import FrontEnd
 from bench.capacity.host import host_fingerprint
 from bench.capacity.orchestrate import run_config
-from bench.capacity.report import _median_row, kv_summary, summarize_profiles
+from bench.capacity.report import (
+    _median_row,
+    kv_summary,
+    summarize_profiles,
+    torch_trace_dir,
+)
 from workers.engines.vllm.engine import VllmEngineOptions
 
 REALTIME_SHARE = 0.95
@@ -98,8 +103,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return row
 
     def opts(streams: int, f: int) -> VllmEngineOptions:
-        torch_dir = (str((Path(args.profile_dir) / f"torch-fe{f}").resolve())
-                     if args.gpu_profile and args.profile_dir else None)
+        torch_dir = torch_trace_dir(args.profile_dir, args.gpu_profile, f)
         if torch_dir:
             Path(torch_dir).mkdir(parents=True, exist_ok=True)
         return VllmEngineOptions(

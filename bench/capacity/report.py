@@ -112,6 +112,14 @@ def summarize_profiles(folder: str, top: int = 12) -> dict[str, Any]:
     return out
 
 
+def torch_trace_dir(profile_dir: str | None, gpu_profile: bool, f: int) -> str | None:
+    """Where front end f's engine core writes vLLM's torch profiler traces (`--gpu-profile`
+    with `--profile-dir`); None: no torch profiler."""
+    if not (gpu_profile and profile_dir):
+        return None
+    return str((Path(profile_dir) / f"torch-fe{f}").resolve())
+
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Trace categories of work on the GPU (torch profiler, CUDA activity)."""
 STEP_PREFIX = "execute_context_"

@@ -82,14 +82,8 @@ def profile_path(args: argparse.Namespace, f: int) -> str | None:
     return str(Path(args.profile_dir) / f"{args.config.replace('+', '_')}-{args.streams}-fe{f}.txt")
 
 
-def torch_dir(args: argparse.Namespace, f: int) -> str | None:
-    """Where front end f's engine core writes vLLM's torch profiler trace (`--gpu-profile`)."""
-    if not (args.gpu_profile and args.profile_dir):
-        return None
-    return str((Path(args.profile_dir) / f"torch-fe{f}").resolve())
-
-
 def engine_options(args: argparse.Namespace, engines: int, streams: int, f: int = 1) -> Any:
+    from bench.capacity.report import torch_trace_dir
     from workers.engines.vllm.options import VllmEngineOptions
 
     stock = is_stock(args.config)
@@ -102,7 +96,7 @@ def engine_options(args: argparse.Namespace, engines: int, streams: int, f: int 
         gpu_memory_utilization=round(args.gpu_memory_utilization / engines, 3),
         kv_bound_slots=False, reanchor_every=args.stagger_every,
         kv_cache_memory_bytes=(int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None),
-        torch_profiler_dir=torch_dir(args, f),
+        torch_profiler_dir=torch_trace_dir(args.profile_dir, args.gpu_profile, f),
         aligned_feed_ms=0 if stock else args.aligned_feed_ms, **extra)
 
 
@@ -374,6 +368,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    from bench.capacity.configs import engines_of
+    from bench.capacity.report import torch_trace_dir
+
+    for f in range(1, engines_of(args.config) + 1):  # the engine cores write there
+        if where := torch_trace_dir(args.profile_dir, args.gpu_profile, f):
+            Path(where).mkdir(parents=True, exist_ok=True)
     command = "python -m bench.capacity.strict " + shlex.join(
         sys.argv[1:] if argv is None else argv)
     print(json.dumps(asyncio.run(main_async(args, command))))
