@@ -10,7 +10,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -62,18 +62,17 @@ class FeedGrid:
     to the model in the same turn of the event loop, so the engine core can take them in
     one step instead of one step per place in the cycle their streams arrive at."""
 
-    def __init__(self, tick_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, tick_s: float) -> None:
         if tick_s <= 0:
             raise ValueError("a feed grid needs a tick > 0")
         self.tick_s = tick_s
-        self._clock = clock
-        self._origin = clock()
+        self._origin = time.monotonic()
         self.waits = 0  # chunks held for the tick
         self.waited_s = 0.0  # total time they were held
 
     def until_next(self) -> float:
         """Seconds to the next tick (0 on one)."""
-        return -(self._clock() - self._origin) % self.tick_s
+        return -(time.monotonic() - self._origin) % self.tick_s
 
     async def next(self) -> None:
         wait = self.until_next()
