@@ -1,0 +1,85 @@
+"""bench.product end to end, short: `babelcast run` with the embedded engine (tiny.en, the
+suite's fast model), two push streams of real speech for 20 s, one French target (Apertium,
+the demo's CPU backend), through the gateway, Redis, ASR and translation actors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.product import COMPONENTS, loop_talk, stream_audio
+from workers.events import SAMPLE_RATE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.unit
+def test_staggered_streams_keep_only_whole_utterances_and_their_text() -> None:
+    loop, pieces = loop_talk()
+    period = len(loop) // 2
+    samples = 20 * SAMPLE_RATE
+    texts = []
+    for i in range(2):
+        pcm, text, speech_s = stream_audio(loop, pieces, i * period // 2, samples)
+        assert len(pcm) == 2 * samples
+        # The text is that of whole utterances, as many seconds of them as were played.
+        kept, rest = [], text
+        while rest:
+            piece = next(p for p in pieces if rest.startswith(p.text))
+            kept.append(piece)
+            rest = rest[len(piece.text):].lstrip()
+        assert kept
+        assert speech_s == pytest.approx(sum(p.end - p.start for p in kept) / SAMPLE_RATE)
+        texts.append(text)
+    assert texts[0] != texts[1]  # started at different places in the talk
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("redis-server") is None or shutil.which("apertium") is None,
+                    reason="needs redis-server and apertium (scripts/setup.sh)")
+def test_two_push_streams_through_the_whole_product_report_every_figure() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.product", "--json", "--streams", "2", "--seconds", "20",
+         "--engine", "{kind: embedded, model: tiny.en, actors: 1, streams_per_actor: 2}",
+         "--translate", "fr", "--ready-timeout", "120"],
+        capture_output=True, text=True, cwd=ROOT, timeout=220, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+
+    for key in ("date", "commit", "command", "argv", "host", "vllm_version", "kind", "streams",
+                "engine", "translate", "seconds_per_stream", "speech_s_per_stream",
+                "played_wall_s", "drain_s", "source", "translated", "cpu_s",
+                "cpu_s_per_audio_s", "cpu_s_per_audio_s_total", "bench_client_cpu_s",
+                "session_counters", "actors", "load_avg"):
+        assert key in result, key
+    assert result["command"].startswith("python -m bench.product --json --streams 2")
+    assert result["engine"] == {"kind": "embedded", "model": "tiny.en", "actors": 1,
+                                "streams_per_actor": 2}
+    assert result["host"]["cores"] and result["host"]["cpu"] is not None
+    assert result["commit"]
+
+    src, fr = result["source"], result["translated"]
+    assert (src["lang"], fr["lang"]) == ("en", "fr")
+    for row in (src, fr):
+        for key in ("final_latency_p50_s", "final_latency_p95_s", "finals_per_stream",
+                    "open_at_end", "partials", "finals"):
+            assert key in row, key
+        # Finals arrived in both languages on both streams, in a real-time-ish delay.
+        assert set(row["finals_per_stream"]) == {"room-0", "room-1"}
+        assert all(n > 0 for n in row["finals_per_stream"].values()), row
+        assert 0 < row["final_latency_p50_s"] <= row["final_latency_p95_s"] < 15
+    assert src["partial_latency_p50_s"] is not None and src["partial_latency_p95_s"] is not None
+    assert src["open_at_end"] == 0
+    assert src["wer"] < 0.3, src
+
+    assert set(result["cpu_s"]) == set(COMPONENTS)
+    assert result["cpu_s"]["asr"] > 0 and result["cpu_s_per_audio_s"]["asr"] > 0
+    assert result["cpu_s"]["translation"] > 0
+    assert set(result["session_counters"]) >= {"stalls", "gap_fill_s", "late_audio_dropped_s"}
+    assert "asr-0" in result["actors"] and result["actors"]["asr-0"]["engine_ok"] == 1
