@@ -9,7 +9,9 @@ then plays the speech (`reference`: the five LibriVox utterances the project was
 `heldout`: recordings in no file of this repository, `tests.speech.heldout_talks()`) into
 every stream at once, in real time, over `/v1/streams/{id}/audio`, logging when each chunk
 left. It listens until nothing is open and nothing has arrived for a few seconds
-(bench.playback.drain), and measures what the clients received:
+(bench.playback.drain), the senders going on with silence meanwhile as a live source does
+(`session_counters.stalls` counts only the source's stalls, not the end of the test), and
+measures what the clients received:
 
 - `wer`: word error rate of the joined finals against the reference text (all streams pooled);
 - `engine_offline_wer`: the same model on the whole recording, not streamed (greedy, after
@@ -46,7 +48,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, play  # noqa: E402
+from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, keep_live, play  # noqa: E402
 from bench.report import emit  # noqa: E402
 from bench.system import babelcast_run, client_headers, pct  # noqa: E402
 from tests.speech import (  # noqa: E402 - shared speech helpers
@@ -132,9 +134,14 @@ async def run(streams: int, model: str, speech: str, tmp: Path,
         await asyncio.gather(*(play(ws.send, pcm, CHUNK, legs[s].sent, bytes)
                                for s, ws in zip(ids, senders, strict=True)))
         audio_end = time.time()
+        stop_live = asyncio.Event()
+        live = [asyncio.create_task(keep_live(ws.send, CHUNK, bytes, stop_live))
+                for ws in senders]
         drained = [asyncio.Event() for _ in ids]
         await asyncio.gather(*(drain(legs[s], ev) for s, ev in zip(ids, drained, strict=True)))
         drain_s = time.time() - audio_end
+        stop_live.set()
+        await asyncio.gather(*live)
         cpu_used = server.cpu_s() - cpu_start
         done.set()
         await asyncio.gather(*clients, return_exceptions=True)

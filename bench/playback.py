@@ -59,6 +59,24 @@ async def play(send: Callable[[bytes], Awaitable[None]], pcm: bytes, chunk: int,
         await send(encode(pcm[2 * start : 2 * end]))
 
 
+async def keep_live(send: Callable[[bytes], Awaitable[None]], chunk: int,
+                    encode: Callable[[bytes], bytes], stop: asyncio.Event) -> None:
+    """After the played audio, go on sending silence at wall-clock pace until `stop`, as
+    a live source does: a room's encoder does not stop when the speaker does. Without it
+    the end of the test reads as a source stall (the session manager fills the silence
+    it waits for: 1 "stall" and 1.5 s of filler per stream in bench.e2e, all of it after
+    the last chunk). Not logged in the leg's SendLog: it is not audio to measure."""
+    silence = encode(bytes(2 * chunk))
+    t0 = time.time()
+    sent = 0
+    while not stop.is_set():
+        sent += chunk
+        await asyncio.sleep(max(0.0, t0 + sent / SAMPLE_RATE - time.time()))
+        if stop.is_set():
+            break
+        await send(silence)
+
+
 @dataclass
 class Leg:
     """What one system produced: finals as (arrival wall, audio end s, text)."""
