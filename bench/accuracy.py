@@ -107,6 +107,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # Beam 5 on the final pass while the decode thread was busy at most half the time
     # (in lock step it always is: measure this one in real time).
     "beam5-headroom": {"final_beam_size": 5, "final_beam_max_busy": 0.5},
+    # The final pass started 0.3 s (0.4 s) before the pause is whole, on the audio so far:
+    # latency, not words (the same speech with less trailing silence); speech that comes
+    # back before the pause is whole costs the decode (in lock step: its CPU).
+    "early-0.3": {"final_early_s": 0.3},
+    "early-0.4": {"final_early_s": 0.4},
     "context-beam5": {"final_context_s": 5.0, "final_beam_size": 5},
     "context-pause-1.0-beam5": {"final_context_s": 5.0, "pause_s": 1.0, "final_beam_size": 5},
     "context-prompt-beam5": {"final_context_s": 5.0, "final_prompt_words": 20,

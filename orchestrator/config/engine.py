@@ -245,6 +245,12 @@ class EngineConfig(_Strict):
         description="embedded only, utterance mode: a pause of pause_s ends an utterance "
                     "only where its newest interim ends a sentence, else it runs on until a "
                     "pause this long (longer than pause_s); null: every pause_s pause ends it")
+    final_early_s: float = Field(
+        default=0.0, ge=0, examples=[0.3],
+        description="embedded only, utterance mode: start the final pass this many seconds "
+                    "before a pause reaches pause_s, and commit it when the pause completes "
+                    "(speech before then drops it: one decode spent); 0: start it when the "
+                    "pause is whole")
     final_beam_max_busy: float | None = Field(
         default=None, ge=0, le=1, examples=[0.5],
         description="embedded only: the final pass uses final_beam_size only while the "
@@ -297,6 +303,10 @@ class EngineConfig(_Strict):
                 ((k,), f"only for engine kind embedded (this engine is {self.kind}); "
                        "remove this key", getattr(self, k))
                 for k in EMBEDDED_ONLY if k in self.model_fields_set])
+        if self.final_early_s >= self.pause_s:
+            _raise_at("EngineConfig", [(("final_early_s",), (
+                f"must be shorter than pause_s ({self.pause_s}): the final pass starts "
+                f"this long before the pause is whole"), self.final_early_s)])
         if (self.unfinished_pause_s is not None
                 and self.unfinished_pause_s <= self.pause_s):
             _raise_at("EngineConfig", [(("unfinished_pause_s",), (
@@ -322,6 +332,7 @@ class EngineConfig(_Strict):
                 final_prompt_words=self.final_prompt_words,
                 final_context_s=self.final_context_s,
                 unfinished_pause_s=self.unfinished_pause_s,
+                final_early_s=self.final_early_s,
                 final_beam_max_busy=self.final_beam_max_busy, calibrate=True), self.actors)
         else:
             self.streams_per_actor = default_streams_per_actor(self.model, self.cpu_threads,
@@ -333,5 +344,5 @@ class EngineConfig(_Strict):
 
 
 EMBEDDED_ONLY = ("final_prompt_words", "final_context_s", "unfinished_pause_s",
-                 "final_beam_max_busy", "calibrate")
+                 "final_early_s", "final_beam_max_busy", "calibrate")
 """Engine keys that only the embedded engine reads: set with another kind, an error."""

@@ -60,6 +60,10 @@ class DecodeStats:
     """Final passes decoded with `final_beam_size` > 1."""
     final_greedy_calls: int = 0
     """Final passes decoded greedily (beam off, or no headroom for it)."""
+    final_early_used: int = 0
+    """Final passes started before their pause was whole (`final_early_s`), committed."""
+    final_early_dropped: int = 0
+    """... and dropped: speech came back before the pause was whole (a decode spent)."""
 
 
 class BusyLog:
@@ -158,7 +162,15 @@ class EmbeddedWhisperEngine(SpeechEngine):
             "decode_busy_fraction": round(self._busy.fraction(time.monotonic()), 3),
             "final_beam_calls": self._stats.final_beam_calls,
             "final_greedy_calls": self._stats.final_greedy_calls,
+            "final_early_used": self._stats.final_early_used,
+            "final_early_dropped": self._stats.final_early_dropped,
         }
+
+    def early_final(self, used: bool) -> None:
+        if used:
+            self._stats.final_early_used += 1
+        else:
+            self._stats.final_early_dropped += 1
 
     def final_beam(self) -> int:
         """The beam of the next final pass: `final_beam_size` while the decode thread has

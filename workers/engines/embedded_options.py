@@ -44,6 +44,12 @@ class EmbeddedEngineOptions:
     """Utterance mode: a pause of `pause_s` ends an utterance only when its newest
     hypothesis ends a sentence; one that does not runs on until a pause this long (or a
     sentence end inside it is finalised as a part). None: every `pause_s` pause ends it."""
+    final_early_s: float = 0.0
+    """Utterance mode: the final pass starts this long before a pause reaches `pause_s`,
+    on the audio up to that moment, and is committed when the pause completes with no
+    speech in between (the utterance's words are all in what it read; the rest is
+    silence). Speech before then drops it, and its decode was spent for nothing. No
+    interim is decoded while it waits. 0: the final pass starts when the pause is whole."""
     final_beam_max_busy: float | None = None
     """The final pass uses `final_beam_size` only while the engine's decode thread was
     busy at most this fraction of the last `embedded.BUSY_WINDOW_S` (headroom, measured as it

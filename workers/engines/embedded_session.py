@@ -37,6 +37,7 @@ A session decodes on the one thread its engine shares among its sessions
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -71,6 +72,22 @@ class SessionHost(Protocol):
 
     def final_beam(self) -> int: ...
 
+    def early_final(self, used: bool) -> None:
+        """Counts an early final pass (`final_early_s`): committed, or dropped."""
+
+
+@dataclass(slots=True)
+class _EarlyFinal:
+    """A final pass started before its pause was whole (`final_early_s`): it read stream
+    samples `start`..`end`, while the buffer began at `buf_pos` with `ctx` samples of
+    context before it (if either moved, it read other audio than a final now would)."""
+
+    task: asyncio.Task[tuple[list[Word], list[float], str | None]]
+    start: int
+    end: int
+    buf_pos: int
+    ctx: int
+
 
 class EmbeddedWhisperSession(RecognizeSession):
     def __init__(self, engine: SessionHost, options: SessionOptions) -> None:
@@ -99,6 +116,9 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._ctx = np.zeros(0, dtype=np.float32)
         self._ctx_max = round(self.opts.final_context_s * SAMPLE_RATE)
         self._busy = False  # between taking a batch of inputs and waiting for the next
+        self._early: _EarlyFinal | None = None
+        self._decoding: set[asyncio.Task[tuple[list[Word], list[float], str | None]]] = set()
+        """Early final passes still decoding (one dropped by speech runs on to its end)."""
         self._went_idle = asyncio.Event()
         self._win_pos = 0  # where interim decodes start (≥ _buf_pos)
         self._expected: int | None = None
@@ -114,8 +134,8 @@ class EmbeddedWhisperSession(RecognizeSession):
 
     @property
     def idle(self) -> bool:
-        """Every input pushed so far has been decoded."""
-        return not self._busy and self._in.empty()
+        """Every input pushed so far has been decoded (early final passes included)."""
+        return not self._busy and self._in.empty() and not self._decoding
 
     async def decoded(self) -> None:
         """Until every input pushed so far has been decoded (a lock-step feed waits for
@@ -130,6 +150,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         return (self._buf_pos + self._buf.size) / SAMPLE_RATE
 
     def _reset_at(self, pos: int) -> None:
+        self._drop_early()
         self._vad_pending = []
         self._buf = np.zeros(0, dtype=np.float32)
         self._ctx = np.zeros(0, dtype=np.float32)
@@ -166,8 +187,10 @@ class EmbeddedWhisperSession(RecognizeSession):
         on that: Whisper base read "ill-disposed" as "ill-sposed" from a window that began
         0.4 s later (measured, bench.e2e)."""
         pause = int(self.opts.pause_s * SAMPLE_RATE)
+        early = int(self.opts.final_early_s * SAMPLE_RATE) if self._utterance_mode else 0
         for speech, frame_end in await self._vad_frames():
             if speech:
+                self._drop_early()
                 if not self._had_speech:
                     self._drop_before(frame_end - FRAME_SAMPLES
                                       - int(self.opts.lead_in_s * SAMPLE_RATE))
@@ -179,6 +202,9 @@ class EmbeddedWhisperSession(RecognizeSession):
                 if (self._had_speech and self._silence_run >= pause
                         and await self._pause_ends_utterance()):
                     await self._finish_utterance(upto=frame_end)
+                elif (self._had_speech and self._early is None and early
+                        and self._silence_run >= pause - early):
+                    self._start_early(frame_end)
 
     async def _pause_ends_utterance(self) -> bool:
         """Whether a pause of `pause_s` (or longer) ends the utterance: always, unless
@@ -257,24 +283,34 @@ class EmbeddedWhisperSession(RecognizeSession):
                       ) -> tuple[list[Word], list[float]]:
         """Decode the buffer from stream sample `start` to `end` (None: its end); a
         `start` before the buffer reads the kept context audio too."""
+        audio = self._audio(start, end)
+        # `auto`: a final detects the language afresh over its whole utterance; interims,
+        # a second or two of audio, keep the language already detected (alone they guess)
+        language = self._language if final else self._lang
+        words, probs, lang = await self.engine.decode(
+            audio, start / SAMPLE_RATE, language, beam, final, prompt
+        )
+        self._decoded(start + audio.size, lang)
+        return words, probs
+
+    def _audio(self, start: int, end: int | None) -> np.ndarray:
+        """A copy of the stream's samples `start`..`end` (None: the buffer's end); a
+        `start` before the buffer reads the kept context audio too."""
         audio = self._buf[max(0, start - self._buf_pos)
                           : None if end is None else end - self._buf_pos]
         if start < self._buf_pos:
             lead = self._ctx[self._ctx.size - (self._buf_pos - start):]
             audio = np.concatenate([lead, audio])
-        # `auto`: a final detects the language afresh over its whole utterance; interims,
-        # a second or two of audio, keep the language already detected (alone they guess)
-        language = self._language if final else self._lang
-        words, probs, lang = await self.engine.decode(
-            audio.copy(), start / SAMPLE_RATE, language, beam, final, prompt
-        )
-        self._heard(start + audio.size)
+        return audio.copy()
+
+    def _decoded(self, end: int, lang: str | None) -> None:
+        """A decode that read the stream up to sample `end` is taken."""
+        self._heard(end)
         self._new_since_decode = 0
         if self.options.language == "auto" and lang:
             if lang != self._detected:
                 self._said = []  # a prompt in another language would pull it back
             self._detected = lang
-        return words, probs
 
     def _guarded(self, words: list[Word], probs: list[float]) -> list[Word]:
         """The leading words that may be committed by agreement: none ending within
@@ -331,13 +367,58 @@ class EmbeddedWhisperSession(RecognizeSession):
         audio before it and a prompt of `final_prompt_words` said before that. (Adding a
         few seconds of audio before it without a prompt made Whisper base invent a
         sentence at the seam: 18 % WER on the reference set instead of 2.8 %, measured.)"""
+        start, prompt = self._final_read(end)
+        words, _ = await self._decode(start, self.engine.final_beam(), end, final=True,
+                                      prompt=prompt)
+        return words
+
+    def _final_read(self, end: int | None) -> tuple[int, str | None]:
+        """Where a final pass up to `end` starts reading (with its context), and its prompt."""
         # Context only while the whole read fits Whisper's one 30 s window (past it,
         # faster-whisper decodes two windows and seams them itself).
         utterance = (self._buf.size if end is None else end - self._buf_pos)
         room = max(0, FINAL_READ_MAX - utterance)
         start = self._buf_pos - min(self._ctx.size, self._ctx_max, room)
-        words, _ = await self._decode(start, self.engine.final_beam(), end, final=True,
-                                      prompt=self._prompt(start / SAMPLE_RATE))
+        return start, self._prompt(start / SAMPLE_RATE)
+
+    def _start_early(self, end: int) -> None:
+        """Start the final pass of the utterance up to stream sample `end` now, before its
+        pause is whole (`final_early_s`)."""
+        start, prompt = self._final_read(end)
+        audio = self._audio(start, end)
+        task = asyncio.create_task(self.engine.decode(
+            audio, start / SAMPLE_RATE, self._language, self.engine.final_beam(), True, prompt))
+        self._decoding.add(task)
+        task.add_done_callback(self._early_done)
+        self._early = _EarlyFinal(task, start, start + audio.size, self._buf_pos,
+                                  self._ctx.size)
+
+    def _early_done(self, task: asyncio.Task[tuple[list[Word], list[float], str | None]]
+                    ) -> None:
+        self._decoding.discard(task)
+        if not task.cancelled():
+            task.exception()  # a dropped pass's error is nobody's: retrieved here
+        self._went_idle.set()  # `decoded()` looks again
+
+    def _drop_early(self) -> None:
+        """Speech came back (or the buffer moved): the early final pass read too little."""
+        if self._early is not None:
+            self._early = None
+            self.engine.early_final(used=False)
+
+    async def _take_early(self, upto: int | None) -> list[Word] | None:
+        """The early final pass's words, if it read this utterance up to `upto` whole:
+        the same buffer, and nothing after its end but the pause (speech drops it)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        if (upto is None or early.end > upto or early.buf_pos != self._buf_pos
+                or early.ctx != self._ctx.size):
+            self.engine.early_final(used=False)
+            return None
+        words, _, lang = await early.task
+        self._decoded(early.end, lang)
+        self.engine.early_final(used=True)
         return words
 
     def _prompt(self, before_s: float) -> str | None:
@@ -382,8 +463,10 @@ class EmbeddedWhisperSession(RecognizeSession):
         buf_end = self._buf_pos + self._buf.size
         end = buf_end if upto is None else max(self._buf_pos, min(upto, buf_end))
         committed: list[Word] = []
+        early = await self._take_early(upto)
         if self._had_speech and end > self._buf_pos:
-            committed = self._final.commit_all(await self._final_decode(end))
+            words = early if early is not None else await self._final_decode(end)
+            committed = self._final.commit_all(words)
             self._committed(committed)
             if self._utterance_mode:
                 self._agree.follow(self._final)
@@ -434,7 +517,9 @@ class EmbeddedWhisperSession(RecognizeSession):
                 await self._close_all()
                 return
             await self._run_vad()
-            if self._had_speech and self._new_since_decode >= step:
+            if self._had_speech and self._new_since_decode >= step and self._early is None:
+                # (an early final pass is under way: the utterance is about to end, and
+                # an interim now would only delay the final)
                 await self._update()
             elif not self._had_speech and self._buf.size > lead + FRAME_SAMPLES:
                 # keep a frame more than the lead-in: the next speech frame may have begun
