@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.metadata
 import os
 import shlex
@@ -56,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from bench.capacity.host import host_fingerprint  # noqa: E402
 from bench.capacity.results import stamp  # noqa: E402
 from bench.e2e import _client  # noqa: E402 - the caption client e2e measures with
-from bench.playback import LEAD_IN_S, Leg, SendLog, drain, play  # noqa: E402
+from bench.playback import LEAD_IN_S, Leg, SendLog, drain, keep_live, play  # noqa: E402
 from bench.report import emit  # noqa: E402
 from bench.system import CLK_TCK, babelcast_run, pct  # noqa: E402
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize  # noqa: E402
@@ -182,16 +181,6 @@ def _latencies(received: list[tuple[float, dict[str, Any]]], sent: SendLog
     return partial, final, texts
 
 
-async def _silence(send: Any, stop: asyncio.Event) -> None:
-    """Silence at wall pace until `stop`, as a live source sends after its talk."""
-    t0, n = time.time(), 0
-    with contextlib.suppress(websockets.ConnectionClosed):
-        while not stop.is_set():
-            n += 1
-            await asyncio.sleep(max(0.0, t0 + n * CHUNK / SAMPLE_RATE - time.time()))
-            await send(bytes(2 * CHUNK))
-
-
 async def _actors_ready(redis: Any, timeout_s: float) -> list[str]:
     """Wait until every ASR actor and translator the runtime registered has written its
     status hash (an ASR actor once its engine is up, a translator once its backends are
@@ -260,7 +249,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         async def leg(s: str) -> None:
             await play(senders[s].send, audio[s][0], CHUNK, legs[(s, SOURCE_LANG)].sent, bytes)
             played[s].set()
-            await _silence(senders[s].send, stop_silence)
+            await keep_live(senders[s].send, CHUNK, bytes, stop_silence)
 
         cpu0 = component_cpu(server.proc.pid, server.redis_pid)
         bench0 = time.process_time()
