@@ -112,6 +112,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # back before the pause is whole costs the decode (in lock step: its CPU).
     "early-0.3": {"final_early_s": 0.3},
     "early-0.4": {"final_early_s": 0.4},
+    # A sentence end the interims showed is finalised once the audio is part_edge_s past
+    # it, not at the next interim step (up to step_s later).
+    "part-on-time": {"part_on_time": True},
+    "part-on-time-early-0.3": {"part_on_time": True, "final_early_s": 0.3},
     "context-beam5": {"final_context_s": 5.0, "final_beam_size": 5},
     "context-pause-1.0-beam5": {"final_context_s": 5.0, "pause_s": 1.0, "final_beam_size": 5},
     "context-prompt-beam5": {"final_context_s": 5.0, "final_prompt_words": 20,

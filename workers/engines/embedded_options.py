@@ -25,6 +25,10 @@ class EmbeddedEngineOptions:
     final_pass: FinalPass = "utterance"
     max_utterance_s: float = 20.0
     part_edge_s: float = 1.0
+    part_on_time: bool = False
+    """Utterance mode: a sentence end an interim showed less than `part_edge_s` before the
+    newest audio is finalised as soon as the audio is `part_edge_s` past it, not at the
+    interim step after (up to `step_s` later)."""
     edge_s: float = 0.0
     min_word_p: float = 0.0
     final_encode_s: float = 30.0

@@ -106,6 +106,9 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._final = LocalAgreement() if self.opts.final_pass == "utterance" else self._agree
         self._shown: list[Word] = []
         self._part_tried_s = 0.0  # the last sentence end a part-final was tried for
+        # `part_on_time`: (a sentence end the interims showed, stream time at which the
+        # audio is `part_edge_s` past it), to finalise it then.
+        self._part_due: tuple[float, float] | None = None
         self._said: list[Word] = []  # committed words, newest last (final prompts)
         self._hyp: list[Word] = []  # the newest interim hypothesis
         self._hyp_pos = 0  # stream sample position where the audio it read ended
@@ -151,6 +154,7 @@ class EmbeddedWhisperSession(RecognizeSession):
 
     def _reset_at(self, pos: int) -> None:
         self._drop_early()
+        self._part_due = None
         self._vad_pending = []
         self._buf = np.zeros(0, dtype=np.float32)
         self._ctx = np.zeros(0, dtype=np.float32)
@@ -356,11 +360,29 @@ class EmbeddedWhisperSession(RecognizeSession):
         # A sentence that ended a while ago inside a running utterance is finalised without
         # waiting for the pause (once per sentence end the interims show).
         limit = self._buf_end_s - self.opts.part_edge_s
-        ends = [w.end_s for w in words if ends_sentence(w.text) and w.end_s <= limit
-                and w.start_s >= self._final.last_committed_end]
+        sentences = [w.end_s for w in words if ends_sentence(w.text)
+                     and w.start_s >= self._final.last_committed_end]
+        ends = [e for e in sentences if e <= limit]
         if ends and ends[-1] > self._part_tried_s:
             self._part_tried_s = ends[-1]
+            self._part_due = None
             await self._final_part(force=False)
+        elif self.opts.part_on_time:
+            later = [e for e in sentences if e > limit and e > self._part_tried_s]
+            self._part_due = (later[0], later[0] + self.opts.part_edge_s) if later else None
+
+    async def _part_when_due(self) -> bool:
+        """`part_on_time`: the audio has come `part_edge_s` past the sentence end an interim
+        showed: finalise the part now (as `_update` would at its next step)."""
+        due = self._part_due
+        if due is None or self._buf_end_s < due[1] or not self._had_speech:
+            return False
+        self._part_due = None
+        if await self._final_part(force=False):
+            # (else the final pass put the sentence end nearer the edge than the interim
+            # did: the next interim step tries it again, as without `part_on_time`)
+            self._part_tried_s = max(self._part_tried_s, due[0])
+        return True
 
     async def _final_decode(self, end: int | None) -> list[Word]:
         """The final pass: the whole utterance up to `end`, with `final_context_s` of the
@@ -434,10 +456,11 @@ class EmbeddedWhisperSession(RecognizeSession):
             self._said.extend(words)
             del self._said[: -SAID_KEEP]
 
-    async def _final_part(self, *, force: bool) -> None:
+    async def _final_part(self, *, force: bool) -> bool:
         """Utterance mode, speech without a pause: finalise the words of a whole-utterance
         decode that end `part_edge_s` or more before its end, up to the last sentence end
-        among them (`force`, past `max_utterance_s`: all of them if no sentence ends)."""
+        among them (`force`, past `max_utterance_s`: all of them if no sentence ends).
+        Whether it committed any."""
         fresh = self._final.fresh(await self._final_decode(None))
         limit = self._buf_end_s - self.opts.part_edge_s
         safe = [w for w in fresh if w.end_s <= limit]
@@ -445,9 +468,9 @@ class EmbeddedWhisperSession(RecognizeSession):
         if ends:
             safe = safe[: ends[-1] + 1]
         elif not force:
-            return
+            return False
         if not safe:
-            return
+            return False
         self._final.commit(safe)
         self._committed(safe)
         self._agree.follow(self._final)
@@ -456,6 +479,7 @@ class EmbeddedWhisperSession(RecognizeSession):
                                          tentative=tuple(fresh[len(safe):]),
                                          language=self._lang))
         self._drop_before(round(safe[-1].end_s * SAMPLE_RATE))
+        return True
 
     async def _finish_utterance(self, upto: int | None = None) -> None:
         """The utterance ends at stream sample `upto` (None: the end of the buffer); the
@@ -473,6 +497,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         else:
             self._agree.clear_tentative()
         self._shown = []
+        self._part_due = None
         await self._emit(
             TranscriptDelta(committed=tuple(committed), end_of_utterance=True,
                             language=self._lang)
@@ -517,7 +542,9 @@ class EmbeddedWhisperSession(RecognizeSession):
                 await self._close_all()
                 return
             await self._run_vad()
-            if self._had_speech and self._new_since_decode >= step and self._early is None:
+            if self._early is None and await self._part_when_due():
+                pass
+            elif self._had_speech and self._new_since_decode >= step and self._early is None:
                 # (an early final pass is under way: the utterance is about to end, and
                 # an interim now would only delay the final)
                 await self._update()
