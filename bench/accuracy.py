@@ -107,6 +107,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # Beam 5 on the final pass while the decode thread was busy at most half the time
     # (in lock step it always is: measure this one in real time).
     "beam5-headroom": {"final_beam_size": 5, "final_beam_max_busy": 0.5},
+    # The policy before 2026-12-04's two latency levers (both on by default since), and
+    # each of them off alone.
+    "before-levers": {"final_early_s": 0.0, "part_on_time": False},
+    "pause-whole": {"final_early_s": 0.0},
+    "part-at-step": {"part_on_time": False},
     # The final pass started 0.3 s (0.4 s) before the pause is whole, on the audio so far:
     # latency, not words (the same speech with less trailing silence); speech that comes
     # back before the pause is whole costs the decode (in lock step: its CPU).

@@ -33,9 +33,11 @@ def final_ends(played: Played) -> list[float]:
 def test_finals_start_early_and_say_what_the_whole_pause_would() -> None:
     async def both() -> tuple[Played, Played]:
         pcm = talk()
-        return await play(opts(), pcm), await play(opts(final_early_s=EARLY_S), pcm)
+        return await play(opts(final_early_s=0), pcm), await play(opts(final_early_s=EARLY_S),
+                                                                   pcm)
 
     plain, early = asyncio.run(both())
+    assert opts().final_early_s == EARLY_S, "the default"
     # The same words on this talk (their times may move by a few of Whisper's 20 ms
     # steps: it read less silence after them). Not so on every talk: with less silence
     # after it Whisper may write a word otherwise ("coldhearted" / "cold-hearted", seen
@@ -63,7 +65,8 @@ def test_speech_that_comes_back_before_the_pause_is_whole_drops_the_early_pass()
     at_s = (len(lead) // 2 + cut) / SAMPLE_RATE
 
     async def both() -> tuple[Played, Played]:
-        return await play(opts(), pcm), await play(opts(final_early_s=EARLY_S), pcm)
+        return await play(opts(final_early_s=0), pcm), await play(opts(final_early_s=EARLY_S),
+                                                                   pcm)
 
     plain, early = asyncio.run(both())
 

@@ -65,10 +65,11 @@ def test_a_sentence_end_inside_speech_is_final_once_the_edge_has_passed_it() -> 
     pcm = pause + heldout_talks()[0].pcm + pause
 
     async def both() -> tuple[Commits, Commits]:
-        return await play(pcm), await play(pcm, part_on_time=True)
+        return await play(pcm, part_on_time=False), await play(pcm, part_on_time=True)
 
     plain, on_time = asyncio.run(both())
     edge, step = opts().part_edge_s, opts().step_s
+    assert opts().part_on_time, "the default"
     assert part_lags(plain), "no sentence end inside running speech: nothing to test"
     assert len(part_lags(on_time)) == len(part_lags(plain))
     # The control: waiting for the next interim step, a part came well past the edge.

@@ -246,7 +246,7 @@ class EngineConfig(_Strict):
                     "only where its newest interim ends a sentence, else it runs on until a "
                     "pause this long (longer than pause_s); null: every pause_s pause ends it")
     final_early_s: float = Field(
-        default=0.0, ge=0, examples=[0.3],
+        default=0.3, ge=0, examples=[0.0],
         description="embedded only, utterance mode: start the final pass this many seconds "
                     "before a pause reaches pause_s, and commit it when the pause completes "
                     "(speech before then drops it: one decode spent); 0: start it when the "

@@ -17,8 +17,11 @@ Streaming policy (per session):
     is finalised without waiting for the pause, once the interims show its end
     `part_edge_s` before the newest audio: a whole-utterance decode is committed up to the
     last sentence end that far from its end (waiting for the pause made finals of long
-    paragraphs 18 s late, p95). Past `max_utterance_s` without a sentence end, every word
-    that far from the end is committed.
+    paragraphs 18 s late, p95), as soon as the audio is that far past it (`part_on_time`),
+    not at the next interim step. Past `max_utterance_s` without a sentence end, every
+    word that far from the end is committed. The final pass at a pause starts
+    `final_early_s` before the pause is whole, on the audio so far, and is committed when
+    the pause completes (speech before then drops it): its decode overlaps the pause's end.
   - `agreement`: the agreed words are committed as they settle (lower latency on long
     utterances, more errors); `edge_s` / `min_word_p` keep words that end near the
     window's edge or that Whisper is unsure of out of a commit until a later step.
@@ -373,15 +376,16 @@ class EmbeddedWhisperSession(RecognizeSession):
 
     async def _part_when_due(self) -> bool:
         """`part_on_time`: the audio has come `part_edge_s` past the sentence end an interim
-        showed: finalise the part now (as `_update` would at its next step)."""
+        showed: the next interim is decoded now, not at its step. If it still shows the
+        sentence end, it finalises the part (`_update`). Whisper writes a sentence end at
+        the end of most windows, and the next hypothesis takes it back as often: a final
+        pass on the first one's word alone spent a whole-utterance decode for nothing
+        most of the time (and held the interims back: seen in lock step)."""
         due = self._part_due
         if due is None or self._buf_end_s < due[1] or not self._had_speech:
             return False
         self._part_due = None
-        if await self._final_part(force=False):
-            # (else the final pass put the sentence end nearer the edge than the interim
-            # did: the next interim step tries it again, as without `part_on_time`)
-            self._part_tried_s = max(self._part_tried_s, due[0])
+        await self._update()
         return True
 
     async def _final_decode(self, end: int | None) -> list[Word]:
