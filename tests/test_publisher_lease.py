@@ -73,3 +73,35 @@ async def test_a_lease_another_publisher_took_is_lost(redis: Redis) -> None:
     assert await redis.get(lease_key("room")) == b"another-publisher"
     await lease.release()  # gives back only its own: the other's stays
     assert await redis.get(lease_key("room")) == b"another-publisher"
+
+
+async def test_release_returns_when_the_renewals_redis_call_swallows_the_cancel(
+        redis: Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite once hung 300 s in `release()`: the renewal task was still looping after
+    its cancel. Fault injection (clearly not Redis): the client's `eval` turns a cancel
+    into a ConnectionError, as a client library may when a cancel lands mid-command. The
+    renewal loop takes that for Redis being away and would go on; release must not wait
+    for it."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    real_eval = redis.eval
+    calls = 0
+
+    async def swallowing_eval(*args: object) -> object:
+        nonlocal calls
+        calls += 1
+        try:
+            await asyncio.sleep(0.2)  # the command in flight when the cancel comes
+        except asyncio.CancelledError:
+            raise RedisConnectionError("connection reset while cancelled") from None
+        return await real_eval(*args)  # type: ignore[arg-type]
+
+    lease, lost = await held_lease(redis)
+    monkeypatch.setattr(redis, "eval", swallowing_eval)
+    for _ in range(40):  # until a renewal is in its Redis call
+        if calls:
+            break
+        await asyncio.sleep(0.05)
+    assert calls, "no renewal ran"
+    await asyncio.wait_for(lease.release(), 5)
+    assert lost == []

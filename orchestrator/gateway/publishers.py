@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 15
 RENEW_S = 5.0
+RELEASE_WAIT_S = 2.0
+"""How long `release()` waits for the renewal to stop before it frees the lease anyway."""
 
 # Held by us: extended. Held by nobody (it expired while Redis, or this host, stood
 # still past LEASE_S, or Redis restarted empty): taken back, since no one else has the
@@ -66,6 +68,7 @@ class PublisherLease:
         self._token = secrets.token_hex(16)
         self._on_lost = on_lost
         self._renewer: asyncio.Task[None] | None = None
+        self._released = False
 
     async def claim(self) -> bool:
         if not await self._redis.set(self._key, self._token, nx=True, ex=LEASE_S):
@@ -74,8 +77,14 @@ class PublisherLease:
         return True
 
     async def _renew(self) -> None:
-        while True:
+        # The flag, not only the cancel, ends the loop: a cancel that lands inside a Redis
+        # call can come out of redis-py as another exception (or not at all), which the
+        # loop below would take for Redis being away and go on; `release()` then waited
+        # for it for ever (seen once in the suite: 300 s, the renewal still running).
+        while not self._released:
             await asyncio.sleep(RENEW_S)
+            if self._released:
+                return
             try:
                 held = await self._redis.eval(
                     _RENEW, 1, self._key, self._token, LEASE_S * 1000)
@@ -92,9 +101,13 @@ class PublisherLease:
     async def release(self) -> None:
         if self._renewer is None:
             return
+        self._released = True
         self._renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._renewer
+        # bounded: a Redis call in flight may take its own timeout to give up
+        done, _ = await asyncio.wait({self._renewer}, timeout=RELEASE_WAIT_S)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: a renewal's error is nobody's now
         self._renewer = None
         with contextlib.suppress(Exception):  # Redis away: the expiry frees it
             await self._redis.eval(_RELEASE, 1, self._key, self._token)
