@@ -77,6 +77,9 @@ class Played:
     engine: LoggedEngine
     session: EmbeddedWhisperSession
     deltas: list[TranscriptDelta] = field(default_factory=list)
+    pushed_s: list[float] = field(default_factory=list)
+    """Audio pushed (s) when each of `deltas` came out: in lock step, how far past its
+    words a caption came, independent of the host's speed."""
 
     @property
     def committed(self) -> list[Word]:
@@ -93,6 +96,15 @@ async def play(options: EmbeddedEngineOptions, pcm: bytes) -> Played:
     session = engine.open_session(SessionOptions("t", "en"))
     assert isinstance(session, EmbeddedWhisperSession)
     out = Played(engine, session)
+    pushed = 0
+    emit = session._emit
+
+    async def logged(delta: TranscriptDelta) -> None:
+        # at emission, not when read: the reader may run after the next chunk's push
+        out.pushed_s.append(pushed / SAMPLE_RATE)
+        await emit(delta)
+
+    session._emit = logged  # type: ignore[method-assign]
 
     async def consume() -> None:
         async for delta in session:
@@ -100,6 +112,7 @@ async def play(options: EmbeddedEngineOptions, pcm: bytes) -> Played:
 
     reader = asyncio.create_task(consume())
     for i in range(0, len(pcm), CHUNK * 2):
+        pushed = i // 2 + CHUNK
         await session.push(AudioChunk("t", i // 2, pcm[i : i + CHUNK * 2], 0.0))
         await asyncio.wait_for(session.decoded(), 60)
     await session.end_input()

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 
 from tests.speech import heldout_talks
-from tests.test_embedded_context import CHUNK, LoggedEngine, opts
-from workers.engines.base import SessionOptions
-from workers.events import SAMPLE_RATE, AudioChunk, TranscriptDelta
+from tests.test_embedded_context import CHUNK, opts, play
+from workers.events import SAMPLE_RATE, TranscriptDelta
 
 pytestmark = pytest.mark.integration
 
@@ -24,40 +23,16 @@ Commits = list[tuple[float, TranscriptDelta]]
 """(audio pushed when it came out, s; the delta), for every delta that commits words."""
 
 
-async def play(pcm: bytes, **kw: Any) -> Commits:
-    engine = LoggedEngine(opts(**kw))
-    await engine.start()
-    session = engine.open_session(SessionOptions("t", "en"))
-    pushed = 0
-    out: Commits = []
-    emit = session._emit
-
-    async def logged(delta: TranscriptDelta) -> None:
-        if delta.committed:
-            out.append((pushed / SAMPLE_RATE, delta))
-        await emit(delta)
-
-    session._emit = logged  # type: ignore[method-assign]
-
-    async def consume() -> None:
-        async for _ in session:
-            pass
-
-    reader = asyncio.create_task(consume())
-    for i in range(0, len(pcm), CHUNK * 2):
-        pushed = i // 2 + CHUNK
-        await session.push(AudioChunk("t", i // 2, pcm[i : i + CHUNK * 2], 0.0))
-        await asyncio.wait_for(session.decoded(), 60)
-    await session.end_input()
-    await asyncio.wait_for(reader, 120)
-    await engine.aclose()
-    return out
+async def commits(pcm: bytes, **kw: Any) -> Commits:
+    played = await play(opts(**kw), pcm)
+    return [(at, d) for at, d in zip(played.pushed_s, played.deltas, strict=True)
+            if d.committed]
 
 
-def part_lags(commits: Commits) -> list[float]:
+def part_lags(logged: Commits) -> list[float]:
     """For each part (a commit that is not an utterance's end): audio pushed when it came
     out, minus the end of its last word."""
-    return [at - d.committed[-1].end_s for at, d in commits if not d.end_of_utterance]
+    return [at - d.committed[-1].end_s for at, d in logged if not d.end_of_utterance]
 
 
 def test_a_sentence_end_inside_speech_is_final_once_the_edge_has_passed_it() -> None:
@@ -65,7 +40,8 @@ def test_a_sentence_end_inside_speech_is_final_once_the_edge_has_passed_it() -> 
     pcm = pause + heldout_talks()[0].pcm + pause
 
     async def both() -> tuple[Commits, Commits]:
-        return await play(pcm, part_on_time=False), await play(pcm, part_on_time=True)
+        return (await commits(pcm, part_on_time=False),
+                await commits(pcm, part_on_time=True))
 
     plain, on_time = asyncio.run(both())
     edge, step = opts().part_edge_s, opts().step_s
