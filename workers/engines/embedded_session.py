@@ -81,12 +81,11 @@ class SessionHost(Protocol):
 
 @dataclass(slots=True)
 class _EarlyFinal:
-    """A final pass started before its pause was whole (`final_early_s`): it read stream
-    samples `start`..`end`, while the buffer began at `buf_pos` with `ctx` samples of
+    """A final pass started before its pause was whole (`final_early_s`): it read the
+    stream up to sample `end`, while the buffer began at `buf_pos` with `ctx` samples of
     context before it (if either moved, it read other audio than a final now would)."""
 
     task: asyncio.Task[tuple[list[Word], list[float], str | None]]
-    start: int
     end: int
     buf_pos: int
     ctx: int
@@ -109,9 +108,9 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._final = LocalAgreement() if self.opts.final_pass == "utterance" else self._agree
         self._shown: list[Word] = []
         self._part_tried_s = 0.0  # the last sentence end a part-final was tried for
-        # `part_on_time`: (a sentence end the interims showed, stream time at which the
-        # audio is `part_edge_s` past it), to finalise it then.
-        self._part_due: tuple[float, float] | None = None
+        # `part_on_time`: the stream time at which the audio is `part_edge_s` past a
+        # sentence end the interims showed: the next interim is decoded then.
+        self._part_due: float | None = None
         self._said: list[Word] = []  # committed words, newest last (final prompts)
         self._hyp: list[Word] = []  # the newest interim hypothesis
         self._hyp_pos = 0  # stream sample position where the audio it read ended
@@ -372,21 +371,17 @@ class EmbeddedWhisperSession(RecognizeSession):
             await self._final_part(force=False)
         elif self.opts.part_on_time:
             later = [e for e in sentences if e > limit and e > self._part_tried_s]
-            self._part_due = (later[0], later[0] + self.opts.part_edge_s) if later else None
+            self._part_due = later[0] + self.opts.part_edge_s if later else None
 
-    async def _part_when_due(self) -> bool:
+    @property
+    def _part_is_due(self) -> bool:
         """`part_on_time`: the audio has come `part_edge_s` past the sentence end an interim
-        showed: the next interim is decoded now, not at its step. If it still shows the
+        showed, so the next interim is decoded now, not at its step; if it still shows the
         sentence end, it finalises the part (`_update`). Whisper writes a sentence end at
         the end of most windows, and the next hypothesis takes it back as often: a final
         pass on the first one's word alone spent a whole-utterance decode for nothing
         most of the time (and held the interims back: seen in lock step)."""
-        due = self._part_due
-        if due is None or self._buf_end_s < due[1] or not self._had_speech:
-            return False
-        self._part_due = None
-        await self._update()
-        return True
+        return self._part_due is not None and self._buf_end_s >= self._part_due
 
     async def _final_decode(self, end: int | None) -> list[Word]:
         """The final pass: the whole utterance up to `end`, with `final_context_s` of the
@@ -416,8 +411,7 @@ class EmbeddedWhisperSession(RecognizeSession):
             audio, start / SAMPLE_RATE, self._language, self.engine.final_beam(), True, prompt))
         self._decoding.add(task)
         task.add_done_callback(self._early_done)
-        self._early = _EarlyFinal(task, start, start + audio.size, self._buf_pos,
-                                  self._ctx.size)
+        self._early = _EarlyFinal(task, start + audio.size, self._buf_pos, self._ctx.size)
 
     def _early_done(self, task: asyncio.Task[tuple[list[Word], list[float], str | None]]
                     ) -> None:
@@ -546,11 +540,13 @@ class EmbeddedWhisperSession(RecognizeSession):
                 await self._close_all()
                 return
             await self._run_vad()
-            if self._early is None and await self._part_when_due():
-                pass
-            elif self._had_speech and self._new_since_decode >= step and self._early is None:
-                # (an early final pass is under way: the utterance is about to end, and
-                # an interim now would only delay the final)
+            due = self._part_is_due
+            if self._had_speech and self._early is None and (
+                    due or self._new_since_decode >= step):
+                # (no interim while an early final pass is under way: the utterance is
+                # about to end, and one now would only delay the final)
+                if due:
+                    self._part_due = None
                 await self._update()
             elif not self._had_speech and self._buf.size > lead + FRAME_SAMPLES:
                 # keep a frame more than the lead-in: the next speech frame may have begun
