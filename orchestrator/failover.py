@@ -157,7 +157,7 @@ class Failover:
         delete cannot either. A process that is in fact alive renews within `RENEW_S`: its
         lease is back, and a stream moved off it meanwhile is removed there (the new
         owner's claim fences its captions).
-        False where leases are off, or this actor's was never seen."""
+        False where leases are off, this actor's was never seen, or it had lapsed already."""
         from workers.lease import lease_key
 
         if not self.cfg.engine.lease_ttl_s or actor_id not in self._lease_seen:
@@ -172,12 +172,16 @@ class Failover:
             log.warning("ASR actor %s: lease not withdrawn: %s", actor_id,
                         type(exc).__name__)
             return False
-        if actor_id not in self._lease_seen:  # the reader saw it lapse meanwhile
+        if held is not None:
+            self._lease_stale[actor_id] = held
+        elif actor_id not in self._lease_seen:  # it lapsed on its own, and the reader saw it
             return False
-        self._lease_stale[actor_id] = held
+        # The reader may have read the key between the delete and here and taken it for a
+        # lapse: the withdraw is still this call's, and the lapse is counted once.
         self._lease_seen.discard(actor_id)
-        self._lease_lapsed[actor_id] = time.monotonic()
-        metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
+        if actor_id not in self._lease_lapsed:
+            self._lease_lapsed[actor_id] = time.monotonic()
+            metrics.LEASE_LAPSES.labels(actor=actor_id).inc()
         log.warning("ASR actor %s: Ray says its process is gone; lease withdrawn, moving "
                     "its streams", actor_id)
         return True

@@ -211,8 +211,11 @@ async def test_rays_death_signal_ends_a_lease_at_once_and_only_a_renewal_brings_
     async with leases_read(tmp_path, ("asr-0", "asr-1")) as (server, keepers, runtime, _):
         r = redis_sync.Redis.from_url(server.url)
         key = lease_key("asr-0")
-        keepers["asr-0"]._stop.set()  # dies: its last lease would stand for up to 1 s
-        assert r.get(key) is not None
+        keepers["asr-0"]._stop.set()  # dies: no more renewals
+        keepers["asr-0"]._thread.join(timeout=2)
+        # Its last renewal stands until its expiry, 1 s here: written again with a long one,
+        # so that the withdraw, not the expiry, ends it on a host of any speed.
+        r.set(key, f"asr-0 {time.time():.3f}", px=30_000)
         assert await runtime.withdraw_lease("asr-0")
         assert "asr-0" in runtime._lease_lapsed and r.get(key) is None
         stale = runtime._lease_stale["asr-0"]
