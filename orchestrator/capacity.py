@@ -11,7 +11,14 @@ can use (its `cpu_threads`, at most the host's cores shared among the actors):
 | whisper-base | 3 streams | 1.5 |
 | tiny.en | 6 streams | 3.0 |
 
-An operator who measures a bigger machine sets `engine.streams_per_actor` in the event file.
+These constants are the fallback. By default (`engine.calibrate: true`, issue 37) the
+embedded figure is measured on the host itself (`workers.engines.calibrate`: a few
+seconds, cached per host and options), because a second 2-core host carried less than the
+development machine: `babelcast run` measures before it plans where nothing is cached
+(`measure_before_planning`), and an event with more streams than the host carries still
+runs, on a budget raised to fit them, with a warning (`over_capacity`) and the figure in
+status. An operator who measures a machine sets `engine.streams_per_actor` in the event
+file; that figure is a hard budget.
 
 The `vllm` engine (Voxtral Realtime on vLLM 0.26.0) takes, per engine, what aged sessions
 kept in real time on an H200 (16-core Xeon host): three fp8 engines by the strict keep-up
@@ -70,6 +77,8 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from orchestrator.config import EventConfig
+    from workers.engines.calibrate import Calibration
     from workers.engines.embedded import EmbeddedEngineOptions
 
 log = logging.getLogger(__name__)
@@ -128,3 +137,49 @@ def calibrated_streams_per_actor(options: EmbeddedEngineOptions, actors: int,
                  cache_path())
         return hit.streams
     return default_streams_per_actor(options.model, options.cpu_threads, actors, cores)
+
+
+def over_capacity(cfg: EventConfig) -> str | None:
+    """A warning where the event's streams are more than the embedded default says this
+    host carries (EventConfig raised the budget to fit them), else None."""
+    e = cfg.engine
+    carries = e._host_carries
+    if carries is None:
+        return None
+    how = "measured on this host" if e.calibrate else "estimated from its cores"
+    return (f"{len(cfg.streams)} streams on {e.actors} ASR actor(s) is more than this host "
+            f"keeps in real time ({carries} per actor, {how}): captions may fall behind. "
+            "Run actors on more hosts (ray.address, engine.actors), or set "
+            "engine.streams_per_actor to take the load on purpose")
+
+
+def needs_measuring(cfg: EventConfig) -> EmbeddedEngineOptions | None:
+    """The engine options to measure before planning: an embedded event with `calibrate`
+    on, no `streams_per_actor` of its own, actors on this host (no `ray.address`: another
+    cluster's hosts measure themselves) and no figure cached for these options here."""
+    from orchestrator.actor_options import engine_options
+    from workers.engines.calibrate import cached
+    from workers.engines.embedded import EmbeddedEngineOptions
+
+    e = cfg.engine
+    if (e.kind != "embedded" or not e.calibrate or "streams_per_actor" in e.model_fields_set
+            or cfg.ray.address is not None):
+        return None
+    options = engine_options(cfg)
+    assert isinstance(options, EmbeddedEngineOptions)
+    return options if cached(options) is None else None
+
+
+async def measure_before_planning(options: EmbeddedEngineOptions) -> Calibration:
+    """Start an engine with `options` here, measure this host and cache the figure (the
+    actors then read it instead of measuring at their own start), and close it."""
+    from workers.engines.calibrate import calibration
+    from workers.engines.embedded import EmbeddedWhisperEngine
+
+    engine = EmbeddedWhisperEngine(options)
+    await engine.start()  # with options.calibrate, start() measures and caches
+    try:
+        cal = engine.calibration or await calibration(engine)
+    finally:
+        await engine.aclose()
+    return cal

@@ -53,15 +53,47 @@ def _load_or_exit(path: str) -> EventConfig:
         raise SystemExit(2) from None
 
 
+def _warn_over_capacity(path: str, cfg: EventConfig) -> None:
+    from orchestrator.capacity import over_capacity
+
+    warning = over_capacity(cfg)
+    if warning:
+        print(f"{path}: warning: {warning}", file=sys.stderr)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
+    from orchestrator.capacity import needs_measuring
+
     cfg = _load_or_exit(args.file)
+    estimate = (" (estimated from the cores: the first run measures this host)"
+                if needs_measuring(cfg) is not None else "")
     print(f"{args.file}: ok — event {cfg.event!r}, {len(cfg.streams)} stream(s), "
-          f"{cfg.engine.actors} ASR actor(s) x {cfg.engine.streams_per_actor} streams")
+          f"{cfg.engine.actors} ASR actor(s) x {cfg.engine.streams_per_actor} streams"
+          f"{estimate}")
+    _warn_over_capacity(args.file, cfg)
     return 0
 
 
+def _measured(path: str, cfg: EventConfig) -> EventConfig:
+    """The event planned on this host's own figure: where the embedded default needs one
+    that is not cached, measure it now (a few seconds, once per host and engine options)
+    and load the file again."""
+    from orchestrator.capacity import measure_before_planning, needs_measuring
+
+    options = needs_measuring(cfg)
+    if options is None:
+        return cfg
+    print(f"babelcast run: measuring how many {options.model} streams this host keeps in "
+          "real time (once per host and engine options) ...", file=sys.stderr, flush=True)
+    cal = _run_async(measure_before_planning(options))
+    print(f"babelcast run: this host keeps {cal.streams} stream(s) per ASR actor "
+          f"(decode busy {cal.busy_per_stream:.3f} s per audio s)", file=sys.stderr)
+    return _load_or_exit(path)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = _load_or_exit(args.file)
+    cfg = _measured(args.file, _load_or_exit(args.file))
+    _warn_over_capacity(args.file, cfg)
     from orchestrator.source_config import read_stream_secrets
 
     _, problems = read_stream_secrets(cfg.streams, os.environ)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
@@ -13,6 +15,19 @@ import pytest
 
 from orchestrator.redis_server import LocalRedisServer
 from workers.bus import RedisBus, connect_redis
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite measures this host into a calibration cache of its own (the embedded
+    default streams per actor, `engine.calibrate`): figures taken while the suite loads the
+    host are low and must not land in the user's cache. Set before any actor, Ray or
+    `babelcast run` child starts, so they inherit it; xdist's workers inherit the
+    controller's."""
+    from workers.engines.calibrate import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):
+        folder = tempfile.mkdtemp(prefix="babelcast-suite-calibration-")
+        os.environ[CACHE_ENV] = os.path.join(folder, "calibration.json")
 
 
 @pytest.fixture(scope="session")

@@ -56,6 +56,7 @@ def only_issue(path: Path) -> ConfigIssue:
 def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty calibration cache of this test's own (never the user's)."""
     home = tmp_path / "cache"
+    monkeypatch.delenv(calibrate.CACHE_ENV, raising=False)  # the suite's own file
     monkeypatch.setenv("XDG_CACHE_HOME", str(home))
     assert calibrate.cache_path() == home / "babelcast" / "calibration.json"
     return home
@@ -78,12 +79,15 @@ def test_levers_load_from_the_event_file_and_reach_the_engine(
 
 
 def test_left_out_the_levers_are_the_engines_own_defaults(tmp_path: Path) -> None:
+    # One exception: an event plans on this host's measured figure (calibrate on), an
+    # engine made in code measures only when asked.
     for key in EMBEDDED_ONLY:
         field = EngineConfig.model_fields[key]
-        assert field.default == getattr(EmbeddedEngineOptions(), key), key
+        engine_default = getattr(EmbeddedEngineOptions(), key)
+        assert field.default == (True if key == "calibrate" else engine_default), key
         assert field.description and "embedded only" in field.description, key
     cfg = load_event(write(tmp_path, "event: e\nstreams:\n  - {id: a, source: push}\n"))
-    assert engine_options(cfg) == EmbeddedEngineOptions()
+    assert engine_options(cfg) == EmbeddedEngineOptions(calibrate=True)
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [
@@ -168,6 +172,7 @@ def test_an_explicit_streams_per_actor_always_wins(
 def test_a_cache_written_elsewhere_is_not_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # XDG_CACHE_HOME decides where the figure is: one stored under another home is unseen.
+    monkeypatch.delenv(calibrate.CACHE_ENV, raising=False)  # the suite's own file
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "one"))
     cfg = load_event(write(tmp_path, LEVERS))
     cache(engine_options(cfg), CALIBRATED)
@@ -205,3 +210,65 @@ def test_a_hot_apply_keeps_the_running_budget_when_only_the_calibrated_default_m
         "  calibrate: true\n", f"  calibrate: true\n  streams_per_actor: {CALIBRATED}\n")))
     assert keep_running_budget(old, explicit) is explicit
     assert plan(old, explicit).refused
+
+
+def test_calibration_is_the_default_and_a_low_figure_never_refuses_the_file(
+        tmp_path: Path, cache_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37: the default streams per actor is what this host measured. A host that
+    carries fewer streams than the event has (here a cached 1, against 3 streams) still
+    loads the file: the budget fits the streams, and validate and status say it is over.
+    Before, the same file loaded on one host and was an error on another."""
+    from orchestrator.capacity import over_capacity
+    from orchestrator.cli import main
+
+    three = ("event: e\nstreams:\n  - {id: a, source: push}\n  - {id: b, source: push}\n"
+             "  - {id: c, source: push}\n")
+    path = write(tmp_path, three)
+    cfg = load_event(path)
+    assert cfg.engine.calibrate is True
+    cache(engine_options(cfg), 1)
+    cfg = load_event(path)
+    assert cfg.engine.streams_per_actor == 3 and cfg.engine._host_carries == 1
+    warning = over_capacity(cfg)
+    assert warning is not None and "1 per actor, measured on this host" in warning
+    assert main(["validate", str(path)]) == 0
+    assert "warning: 3 streams on 1 ASR actor(s)" in capsys.readouterr().err
+    # Three actors (on three hosts: ray.address) carry one each: a fit, no warning.
+    spread = load_event(write(tmp_path, three.replace("event: e\n",
+                                                      "event: e\nengine: {actors: 3}\n")))
+    assert spread.engine.streams_per_actor == 1 and over_capacity(spread) is None
+    # An operator's figure is a hard budget, as before.
+    issue = only_issue(write(tmp_path, three.replace(
+        "event: e\n", "event: e\nengine: {streams_per_actor: 1}\n")))
+    assert "3 streams configured but the engine pool fits 1" in issue.message
+
+
+@pytest.mark.integration
+def test_run_measures_this_host_before_it_plans_once(
+        tmp_path: Path, cache_home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`babelcast run`'s first step (cli._measured) on a host with nothing cached: it
+    measures with the actors' own engine options, caches the figure, and plans on it; a
+    second run reads it. Events that do not plan on it are not measured."""
+    from orchestrator.capacity import needs_measuring
+    from orchestrator.cli import _measured
+
+    text = ("event: e\nengine: {model: tiny.en, cpu_threads: 1}\n"
+            "streams:\n  - {id: a, source: push, language: en}\n")
+    path = write(tmp_path, text)
+    cfg = load_event(path)
+    assert needs_measuring(cfg) == engine_options(cfg)
+    planned = _measured(str(path), cfg)
+    err = capsys.readouterr().err
+    assert "measuring how many tiny.en streams this host keeps in real time" in err
+    hit = calibrate.cached(engine_options(cfg))
+    assert hit is not None and f"keeps {hit.streams} stream(s) per ASR actor" in err
+    assert planned.engine.streams_per_actor == hit.streams
+    assert needs_measuring(planned) is None
+    assert _measured(str(path), planned) is planned and capsys.readouterr().err == ""
+    for other in ("engine: {model: tiny.en, cpu_threads: 1, streams_per_actor: 2}",
+                  "engine: {model: tiny.en, cpu_threads: 1, calibrate: false}",
+                  "engine: {model: tiny.en, cpu_threads: 2}\nray: {address: 'ray://h:1'}\n"
+                  "redis: {url: 'redis://h:6379'}"):
+        other_cfg = load_event(write(tmp_path, text.replace(
+            "engine: {model: tiny.en, cpu_threads: 1}", other)))
+        assert needs_measuring(other_cfg) is None, other

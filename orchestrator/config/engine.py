@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from orchestrator.config.base import _fail, _raise_at, _Strict
 
@@ -215,8 +215,8 @@ class EngineConfig(_Strict):
     streams_per_actor: int = Field(
         default=4, ge=1,
         description="streams one ASR actor decodes; unset: embedded engines take what the "
-                    "host's cores sustain in real time for the model (with calibrate: true, "
-                    "the figure this host measured for these options, if cached), vllm the "
+                    "host keeps in real time (calibrate: measured here; else per core), "
+                    "raised to fit the event's streams with a warning, vllm the "
                     "budget for its KV type and engines per GPU (18 per engine for each; "
                     "provisional: no level has passed the strict keep-up rule yet; "
                     "orchestrator/capacity.py, docs/gpu.md), other engines 4")
@@ -257,15 +257,19 @@ class EngineConfig(_Strict):
                     "decode thread was busy at most this fraction of the last 20 s, else "
                     "greedy (beam where there is headroom); null: always final_beam_size")
     calibrate: bool = Field(
-        default=False,
+        default=True,
         description="embedded only: each actor measures at start how many streams this "
-                    "host keeps in real time with these options (a few seconds, cached per "
-                    "host in $XDG_CACHE_HOME/babelcast/calibration.json) and reports it in "
-                    "status; with streams_per_actor unset, the default is the figure cached "
-                    "on the host that loads the event file, if any, else the per-core one")
+                    "host keeps in real time with these options (a few seconds, once: cached "
+                    "per host in $XDG_CACHE_HOME/babelcast/calibration.json) and reports it "
+                    "in status; with streams_per_actor unset, the default is that figure "
+                    "(babelcast run measures it before planning where none is cached); "
+                    "false: the per-core estimate")
     session: SessionConfig = Field(default_factory=SessionConfig,
                                    description="session manager: rollover, rut watchdog, pacing")
     vllm: VllmConfig | None = Field(default=None, description="vllm engine settings")
+    _host_carries: int | None = PrivateAttr(None)
+    """Set when the embedded default (what this host carries) was below the event's
+    streams per actor and the budget was raised to fit them (EventConfig): the figure."""
 
     @model_validator(mode="before")
     @classmethod

@@ -75,6 +75,15 @@ class EventConfig(_Strict):
                     problems.append((("streams", i, "targets", j),
                                      no_backend_message(kind, s.language, target), target))
         n, e = len(self.streams), self.engine
+        if (e.kind == "embedded" and "streams_per_actor" not in e.model_fields_set
+                and n > e.actors * e.streams_per_actor):
+            # The embedded default is what this host carries (measured here, or the
+            # per-core estimate): a file must not be valid on one laptop and not on
+            # another, or before and after a measurement. The budget fits the streams,
+            # and the event says it is over (orchestrator/capacity.over_capacity).
+            e._host_carries = e.streams_per_actor
+            e.streams_per_actor = -(-n // e.actors)
+            e.model_fields_set.discard("streams_per_actor")
         if n > e.actors * e.streams_per_actor:
             problems.append((("streams",), f"{n} streams configured but the engine pool fits "
                              f"{e.actors * e.streams_per_actor} (engine.actors {e.actors} × "

@@ -131,6 +131,8 @@ class EmbeddedWhisperEngine(SpeechEngine):
         self._gate = DecodeGate()
         self._busy = BusyLog()
         self.calibration: Calibration | None = None
+        self.calibration_stats = DecodeStats()
+        """What the measurement at start decoded (nothing where the figure was cached)."""
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -150,6 +152,10 @@ class EmbeddedWhisperEngine(SpeechEngine):
         )
         if self.options.calibrate:
             self.calibration = await calibration(self)
+            # The measurement's decodes are not the streams' work: the stats and the
+            # busy history (final_beam_max_busy's headroom) start from here.
+            self.calibration_stats, self._stats = self._stats, DecodeStats()
+            self._busy = BusyLog()
 
     def describe(self) -> dict[str, str]:
         return self.calibration.status() if self.calibration is not None else {}
