@@ -2,6 +2,7 @@
 
     python -m bench.peer --json [--repeat 3] [--rounds 2] [--speech heldout] [--plot FILE]
         [--babelcast-final-beam 5] [--babelcast-engine "pause_s: 1.0"]
+        [--options default,before-levers,part-at-step,pause-whole]
 
 Plays the speech (`reference`: the five LibriVox utterances the project was tuned on,
 repeated `--repeat` times; `heldout`: recordings in no file of this repository,
@@ -31,6 +32,10 @@ Babelcast with its defaults (greedy interims, final pass with `final_beam_size`)
 `--babelcast-final-beam 5` runs Babelcast's final pass with beam 5 as well;
 `--babelcast-engine` adds engine keys to Babelcast's event file (YAML flow style), to
 measure a lever of the final pass (`bench.accuracy`'s OPTIONS) against the peer.
+`--options default,before-levers,...` plays one Babelcast leg per named OPTIONS entry in
+every round, against the same WhisperLive legs (each lever beside the peer in one run;
+the order of the legs turns by one place each round): the JSON then has one
+`babelcast:<option>` object each and `ratio_to_peer` per option.
 
 Measured identically for both, pooled over the rounds:
 
@@ -65,6 +70,7 @@ import websockets
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.accuracy import OPTIONS  # noqa: E402
 from bench.alignment import (  # noqa: E402
     TimedToken,
     align,
@@ -84,13 +90,22 @@ def _pcm16(pcm: bytes) -> bytes:
     return pcm
 
 
-async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
+def option_keys(option: str | None, extra: str) -> str:
+    """The engine keys of one Babelcast leg, YAML flow style: `bench.accuracy`'s OPTIONS
+    entry `option` (None: the defaults), then `--babelcast-engine`'s keys."""
+    keys = [f"{k}: {json.dumps(v)}" for k, v in OPTIONS[option].items()] if option else []
+    return ", ".join(keys + ([extra] if extra else []))
+
+
+async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,
+                        option: str | None = None) -> Leg:
     leg = Leg("babelcast")
+    engine_extra = option_keys(option, args.babelcast_engine)
     lines = [
         "event: bench peer",
         f"engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 1, "
         f"cpu_threads: {args.threads}, final_beam_size: {args.babelcast_final_beam}"
-        f"{', ' + args.babelcast_engine if args.babelcast_engine else ''}}}",
+        f"{', ' + engine_extra if engine_extra else ''}}}",
         "streams:",
         "  - {id: talk, source: push, language: en}",
     ]
@@ -143,7 +158,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path) -> Leg:
             "final_beam_size": opts.final_beam_size, "final_pass": opts.final_pass,
             "step_s": opts.step_s,
             "pause_s": opts.pause_s, "max_window_s": opts.max_window_s,
-            "engine_extra": args.babelcast_engine or None,
+            "option": option,
+            "engine_extra": engine_extra or None,
             "input": "PCM16 over /v1/streams/talk/audio (source: push)",
         },
     }
@@ -247,12 +263,13 @@ def plot(path: str, results: dict[str, dict[str, Any]], lats: dict[str, list[flo
     keys = [("wer", 100.0, "WER %"), ("final_latency_p50_s", 1.0, "latency\np50 s"),
             ("final_latency_p95_s", 1.0, "latency\np95 s"),
             ("cpu_s_per_audio_s", 1.0, "CPU s per\naudio s")]
-    width = 0.38
+    width = 0.8 / max(2, len(results))
     for i, (name, res) in enumerate(results.items()):
         vals = [float(res.get(k) or 0.0) * scale for k, scale, _ in keys]
         bars = ax2.bar([j + i * width for j in range(len(keys))], vals, width, label=name)
         ax2.bar_label(bars, fmt="%.2f", fontsize=7)
-    ax2.set_xticks([j + width / 2 for j in range(len(keys))], [label for *_, label in keys])
+    ax2.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(keys))],
+                   [label for *_, label in keys])
     ax2.set_title("same speech, same model, same threads")
     ax2.legend()
     fig.savefig(path, dpi=100, bbox_inches="tight")
@@ -269,25 +286,35 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         text = " ".join(t.text for t in held)
     ref = normalize(text)
     audio_s = len(pcm) / 2 / SAMPLE_RATE
-    legs: dict[str, list[Leg]] = {"babelcast": [], "whisperlive": []}
+    # One Babelcast leg per option (`--options`), or the one `babelcast` leg; every round
+    # plays each of them and WhisperLive once, the order turned by one place a round.
+    options: dict[str, str | None] = (
+        {f"babelcast:{o}": (None if o == "default" else o) for o in args.options}
+        if args.options else {"babelcast": None})
+    legs: dict[str, list[Leg]] = {**{name: [] for name in options}, "whisperlive": []}
     order: list[str] = []
     load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         for r in range(args.rounds):
-            names = ["babelcast", "whisperlive"] if r % 2 == 0 else ["whisperlive", "babelcast"]
+            names = list(legs)
+            names = names[r % len(names):] + names[:r % len(names)]
             for name in names:
                 order.append(name)
-                folder = Path(tmp) / f"{name}-{r}"
+                folder = Path(tmp) / f"{name.replace(':', '-')}-{r}"
                 folder.mkdir()
-                run = run_babelcast if name == "babelcast" else run_whisperlive
-                legs[name].append(await run(pcm, args, folder))
+                if name == "whisperlive":
+                    legs[name].append(await run_whisperlive(pcm, args, folder))
+                else:
+                    legs[name].append(await run_babelcast(pcm, args, folder, options[name]))
     ref_end = reference_word_ends(pcm, ref.split(), args.threads)
     results = {name: summarize(runs, ref, ref_end, audio_s) for name, runs in legs.items()}
     lats = {name: res.pop("_lat") for name, res in results.items()}
-    b, w = results["babelcast"], results["whisperlive"]
+    w = results["whisperlive"]
 
-    def ratio(key: str) -> float | None:
-        return round(b[key] / w[key], 3) if b.get(key) and w.get(key) else None
+    def ratios(b: dict[str, Any]) -> dict[str, float | None]:
+        return {k: round(b[k] / w[k], 3) if b.get(k) and w.get(k) else None for k in (
+            "wer", "final_latency_p50_s", "final_latency_p95_s", "cpu_s_per_audio_s")}
+    b = results[next(iter(options))]
 
     out: dict[str, Any] = {
         "speech": args.speech,
@@ -307,13 +334,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "whisperlive": "beam 5, best_of 5, temperature fallback 0.0..1.0, "
                            "condition_on_previous_text, 30 s window (its defaults)",
         },
-        "babelcast": b,
+        **{name: results[name] for name in options},
         "whisperlive": w,
-        "ratio_babelcast_to_peer": {k: ratio(k) for k in (
-            "wer", "final_latency_p50_s", "final_latency_p95_s", "cpu_s_per_audio_s")},
     }
+    if args.options:
+        out["options"] = {name.split(":", 1)[1]: OPTIONS.get(opt or "", {})
+                          for name, opt in options.items()}
+        out["ratio_to_peer"] = {name: ratios(results[name]) for name in options}
+    else:
+        out["ratio_babelcast_to_peer"] = ratios(b)
     if args.plot:
-        plot(args.plot, {"babelcast": b, "whisperlive": w}, lats)
+        plot(args.plot, results, lats)
     return out
 
 
@@ -330,6 +361,9 @@ def main() -> int:
     ap.add_argument("--babelcast-engine", default="",
                     help="more engine keys for Babelcast's event file, YAML flow style "
                          "(e.g. 'pause_s: 1.0')")
+    ap.add_argument("--options", default="",
+                    help="comma-separated bench.accuracy OPTIONS names (and 'default'): one "
+                         "Babelcast leg each per round, against the same WhisperLive legs")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of both engines")
     ap.add_argument("--chunk-ms", type=int, default=100, help="audio sent per message")
     ap.add_argument("--settle", type=float, default=6.0,
@@ -338,6 +372,11 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="write a comparison plot (PNG) here")
     args = ap.parse_args()
     args.chunk = args.chunk_ms * SAMPLE_RATE // 1000
+    args.options = [o for o in args.options.split(",") if o]
+    unknown = [o for o in args.options if o != "default" and o not in OPTIONS]
+    if unknown:
+        ap.error(f"unknown --options {', '.join(unknown)}; known: default, "
+                 f"{', '.join(OPTIONS)}")
     missing = [m for m in ("whisper_live", "torch") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"bench.peer: {', '.join(missing)} not installed; install the peer with "

@@ -118,6 +118,6 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         final_pass=e.final_pass, final_beam_size=e.final_beam_size,
         final_prompt_words=e.final_prompt_words, final_context_s=e.final_context_s,
         unfinished_pause_s=e.unfinished_pause_s, final_beam_max_busy=e.final_beam_max_busy,
-        final_early_s=e.final_early_s,
+        final_early_s=e.final_early_s, part_edge_s=e.part_edge_s, part_on_time=e.part_on_time,
         calibrate=e.calibrate,
     )

@@ -28,6 +28,8 @@ engine:
   unfinished_pause_s: 1.2
   final_beam_max_busy: 0.5
   final_early_s: 0.3
+  part_edge_s: 0.75
+  part_on_time: false
   calibrate: true
 streams:
   - {id: a, source: push}
@@ -72,10 +74,12 @@ def test_levers_load_from_the_event_file_and_reach_the_engine(
     cfg = load_event(write(tmp_path, LEVERS))
     e = cfg.engine
     assert (e.final_prompt_words, e.final_context_s, e.unfinished_pause_s,
-            e.final_beam_max_busy, e.final_early_s, e.calibrate) == (20, 5.0, 1.2, 0.5, 0.3, True)
+            e.final_beam_max_busy, e.final_early_s, e.part_edge_s, e.part_on_time,
+            e.calibrate) == (20, 5.0, 1.2, 0.5, 0.3, 0.75, False, True)
     assert engine_options(cfg) == EmbeddedEngineOptions(
         final_beam_size=5, final_prompt_words=20, final_context_s=5.0,
-        unfinished_pause_s=1.2, final_beam_max_busy=0.5, final_early_s=0.3, calibrate=True)
+        unfinished_pause_s=1.2, final_beam_max_busy=0.5, final_early_s=0.3,
+        part_edge_s=0.75, part_on_time=False, calibrate=True)
 
 
 def test_left_out_the_levers_are_the_engines_own_defaults(tmp_path: Path) -> None:
@@ -100,6 +104,8 @@ def test_left_out_the_levers_are_the_engines_own_defaults(tmp_path: Path) -> Non
     ("final_early_s", "-0.1", "greater than or equal to 0"),
     ("final_early_s", "0.6", "shorter than pause_s (0.6)"),
     ("calibrate", "sometimes", "valid boolean"),
+    ("part_edge_s", "0", "greater than 0"),
+    ("part_on_time", "maybe", "valid boolean"),
 ])
 def test_a_bad_lever_value_is_an_error_at_its_key_and_line(
         tmp_path: Path, key: str, value: str, says: str) -> None:

@@ -251,6 +251,17 @@ class EngineConfig(_Strict):
                     "before a pause reaches pause_s, and commit it when the pause completes "
                     "(speech before then drops it: one decode spent); 0: start it when the "
                     "pause is whole")
+    part_edge_s: float = Field(
+        default=1.0, gt=0, le=10, examples=[0.75],
+        description="embedded only, utterance mode: a sentence end the interims show inside "
+                    "running speech is final once the audio is this many seconds past it and "
+                    "an interim decoded then still shows it; shorter: earlier finals, and "
+                    "more of Whisper's end-of-window periods taken at their word")
+    part_on_time: bool = Field(
+        default=True, examples=[False],
+        description="embedded only, utterance mode: decode that interim as soon as the audio "
+                    "is part_edge_s past the sentence end; false: at the next interim step "
+                    "(up to step_s later)")
     final_beam_max_busy: float | None = Field(
         default=None, ge=0, le=1, examples=[0.5],
         description="embedded only: the final pass uses final_beam_size only while the "
@@ -336,7 +347,8 @@ class EngineConfig(_Strict):
                 final_prompt_words=self.final_prompt_words,
                 final_context_s=self.final_context_s,
                 unfinished_pause_s=self.unfinished_pause_s,
-                final_early_s=self.final_early_s,
+                final_early_s=self.final_early_s, part_edge_s=self.part_edge_s,
+                part_on_time=self.part_on_time,
                 final_beam_max_busy=self.final_beam_max_busy, calibrate=True), self.actors)
         else:
             self.streams_per_actor = default_streams_per_actor(self.model, self.cpu_threads,
@@ -348,5 +360,6 @@ class EngineConfig(_Strict):
 
 
 EMBEDDED_ONLY = ("final_prompt_words", "final_context_s", "unfinished_pause_s",
-                 "final_early_s", "final_beam_max_busy", "calibrate")
+                 "final_early_s", "part_edge_s", "part_on_time", "final_beam_max_busy",
+                 "calibrate")
 """Engine keys that only the embedded engine reads: set with another kind, an error."""

@@ -61,7 +61,7 @@ CHUNK = SAMPLE_RATE // 10
 COST_FIELDS = ("model", "cpu_threads", "beam_size", "final_beam_size", "step_s", "pause_s",
                "max_window_s", "final_pass", "final_encode_s", "final_prompt_words",
                "final_context_s", "unfinished_pause_s", "final_beam_max_busy",
-               "final_early_s", "part_on_time")
+               "final_early_s", "part_on_time", "part_edge_s")
 """The engine options that change the decode work of one stream."""
 
 
