@@ -90,22 +90,23 @@ def _pcm16(pcm: bytes) -> bytes:
     return pcm
 
 
-def option_keys(option: str | None, extra: str) -> str:
-    """The engine keys of one Babelcast leg, YAML flow style: `bench.accuracy`'s OPTIONS
-    entry `option` (None: the defaults), then `--babelcast-engine`'s keys."""
-    keys = [f"{k}: {json.dumps(v)}" for k, v in OPTIONS[option].items()] if option else []
-    return ", ".join(keys + ([extra] if extra else []))
+def option_keys(option: str | None, args: argparse.Namespace) -> str:
+    """The engine keys of one Babelcast leg beyond the fixed ones, YAML flow style:
+    `--babelcast-final-beam`, `bench.accuracy`'s OPTIONS entry `option` (None: the
+    defaults; its final_beam_size wins), then `--babelcast-engine`'s keys."""
+    keys = {"final_beam_size": args.babelcast_final_beam, **(OPTIONS[option] if option else {})}
+    flow = [f"{k}: {json.dumps(v)}" for k, v in keys.items()]
+    return ", ".join(flow + ([args.babelcast_engine] if args.babelcast_engine else []))
 
 
 async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,
                         option: str | None = None) -> Leg:
     leg = Leg("babelcast")
-    engine_extra = option_keys(option, args.babelcast_engine)
+    engine_extra = option_keys(option, args)
     lines = [
         "event: bench peer",
         f"engine: {{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 1, "
-        f"cpu_threads: {args.threads}, final_beam_size: {args.babelcast_final_beam}"
-        f"{', ' + engine_extra if engine_extra else ''}}}",
+        f"cpu_threads: {args.threads}, {engine_extra}}}",
         "streams:",
         "  - {id: talk, source: push, language: en}",
     ]
@@ -146,7 +147,8 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,
         engine = server.redis.hgetall("actor:asr-0")
         status = server.redis.hgetall("status:talk")
     opts = EmbeddedEngineOptions(cpu_threads=args.threads,
-                                 final_beam_size=args.babelcast_final_beam)
+                                 final_beam_size=args.babelcast_final_beam,
+                                 **(OPTIONS[option] if option else {}))
     leg.extra = {
         "asr_actor_cpu_s": round(asr1 - asr0, 2) if asr0 is not None and asr1 else None,
         "engine_decode_busy_s": float(engine.get("decode_busy_s", 0.0)),
