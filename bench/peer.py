@@ -99,6 +99,13 @@ def option_keys(option: str | None, args: argparse.Namespace) -> str:
     return ", ".join(flow + ([args.babelcast_engine] if args.babelcast_engine else []))
 
 
+def leg_options(option: str | None, args: argparse.Namespace) -> EmbeddedEngineOptions:
+    """The engine options of a leg, as its report states them (checked for every leg
+    before the first plays)."""
+    keys = {"final_beam_size": args.babelcast_final_beam, **(OPTIONS[option] if option else {})}
+    return EmbeddedEngineOptions(cpu_threads=args.threads, **keys)
+
+
 async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,
                         option: str | None = None) -> Leg:
     leg = Leg("babelcast")
@@ -146,9 +153,7 @@ async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,
         await reader
         engine = server.redis.hgetall("actor:asr-0")
         status = server.redis.hgetall("status:talk")
-    opts = EmbeddedEngineOptions(cpu_threads=args.threads,
-                                 final_beam_size=args.babelcast_final_beam,
-                                 **(OPTIONS[option] if option else {}))
+    opts = leg_options(option, args)
     leg.extra = {
         "asr_actor_cpu_s": round(asr1 - asr0, 2) if asr0 is not None and asr1 else None,
         "engine_decode_busy_s": float(engine.get("decode_busy_s", 0.0)),
@@ -293,6 +298,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, str | None] = (
         {f"babelcast:{o}": (None if o == "default" else o) for o in args.options}
         if args.options else {"babelcast": None})
+    for option in options.values():  # a bad option fails here, not after an hour of legs
+        leg_options(option, args)
     legs: dict[str, list[Leg]] = {**{name: [] for name in options}, "whisperlive": []}
     order: list[str] = []
     load_before = [round(x, 2) for x in os.getloadavg()]
