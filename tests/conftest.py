@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -28,6 +29,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if not os.environ.get(CACHE_ENV):
         folder = tempfile.mkdtemp(prefix="babelcast-suite-calibration-")
         os.environ[CACHE_ENV] = os.path.join(folder, "calibration.json")
+        _made_here.append(folder)
+
+
+_made_here: list[str] = []
+"""The suite's calibration folder, where this process made it (xdist's workers inherit
+the controller's and leave it alone)."""
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _made_here:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
