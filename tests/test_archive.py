@@ -358,9 +358,17 @@ async def test_a_gap_event_is_archived_where_the_audio_was_skipped(
     after = caption(4, 4, "And we are back.", 26.0, 27.0)
     cfg = OutputsConfig(archive=ArchiveConfig(dir=str(tmp_path)))
     runner = await start_outputs(redis_url, [HALL], cfg, environ={})
+    path = tmp_path / "hall" / "en.vtt"
     try:
         await publish(bus, [*ENGLISH[:2], gap, after])
+
+        async def all_written() -> bool:
+            return cue_count(path) == 3
+
+        # Written before the close: this test is about the gap's cue, not the close's
+        # drain (the test above), whose 3 s a loaded suite host once ran out of.
+        await eventually(all_written, WAIT_S, "the gap and the caption after it archived")
     finally:
         await runner.aclose()
-    cues = unescape(vtt_cues(tmp_path / "hall" / "en.vtt"))
+    cues = unescape(vtt_cues(path))
     assert cues[-2:] == [(5.0, 25.5, "[20 s not captioned]"), (26.0, 27.0, "And we are back.")]

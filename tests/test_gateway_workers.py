@@ -56,8 +56,11 @@ class Gateway:
     def worker_pids(self) -> set[int]:
         pids: set[int] = set()
         for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            with (task / "children").open() as f:
-                pids |= {int(p) for p in f.read().split()}
+            try:
+                with (task / "children").open() as f:
+                    pids |= {int(p) for p in f.read().split()}
+            except FileNotFoundError:  # that thread ended since the listing
+                continue
         return pids
 
 
