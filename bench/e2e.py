@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.playback import LEAD_IN_S, TAIL_S, Leg, drain, keep_live, play  # noqa: E402
 from bench.report import emit  # noqa: E402
-from bench.system import babelcast_run, client_headers, pct  # noqa: E402
+from bench.system import babelcast_run, client_headers, number_or_text, pct  # noqa: E402
 from tests.speech import (  # noqa: E402 - shared speech helpers
     Talk,
     heldout_talks,
@@ -149,8 +149,8 @@ async def run(streams: int, model: str, speech: str, tmp: Path,
             await ws.close()
         # Numbers only: with calibration on (the default) the hash also says where the
         # figure came from ("calibration_source": "cache").
-        engine = {k: float(v) for k, v in redis.hgetall("actor:asr-0").items()
-                  if k != "updated" and _is_number(v)}
+        engine = {k: n for k, v in redis.hgetall("actor:asr-0").items()
+                  if k != "updated" and isinstance(n := number_or_text(v), float)}
         session_counters: dict[str, float] = {}
         for s in ids:
             status = redis.hgetall(f"status:{s}")
@@ -210,14 +210,6 @@ async def run(streams: int, model: str, speech: str, tmp: Path,
         "_final_lat": final_lat,
         "_partial_lat": partial_lat,
     }
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
 
 
 async def _calibrate(model: str) -> dict[str, Any]:

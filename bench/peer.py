@@ -90,20 +90,24 @@ def _pcm16(pcm: bytes) -> bytes:
     return pcm
 
 
+def _leg_keys(option: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """`--babelcast-final-beam`, then `bench.accuracy`'s OPTIONS entry `option` (None:
+    the defaults; its final_beam_size wins)."""
+    return {"final_beam_size": args.babelcast_final_beam,
+            **(OPTIONS[option] if option else {})}
+
+
 def option_keys(option: str | None, args: argparse.Namespace) -> str:
     """The engine keys of one Babelcast leg beyond the fixed ones, YAML flow style:
-    `--babelcast-final-beam`, `bench.accuracy`'s OPTIONS entry `option` (None: the
-    defaults; its final_beam_size wins), then `--babelcast-engine`'s keys."""
-    keys = {"final_beam_size": args.babelcast_final_beam, **(OPTIONS[option] if option else {})}
-    flow = [f"{k}: {json.dumps(v)}" for k, v in keys.items()]
+    `_leg_keys`, then `--babelcast-engine`'s keys."""
+    flow = [f"{k}: {json.dumps(v)}" for k, v in _leg_keys(option, args).items()]
     return ", ".join(flow + ([args.babelcast_engine] if args.babelcast_engine else []))
 
 
 def leg_options(option: str | None, args: argparse.Namespace) -> EmbeddedEngineOptions:
     """The engine options of a leg, as its report states them (checked for every leg
     before the first plays)."""
-    keys = {"final_beam_size": args.babelcast_final_beam, **(OPTIONS[option] if option else {})}
-    return EmbeddedEngineOptions(cpu_threads=args.threads, **keys)
+    return EmbeddedEngineOptions(cpu_threads=args.threads, **_leg_keys(option, args))
 
 
 async def run_babelcast(pcm: bytes, args: argparse.Namespace, tmp: Path,

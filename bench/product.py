@@ -57,7 +57,7 @@ from bench.capacity.results import stamp  # noqa: E402
 from bench.e2e import _client  # noqa: E402 - the caption client e2e measures with
 from bench.playback import LEAD_IN_S, Leg, SendLog, drain, keep_live, play  # noqa: E402
 from bench.report import emit  # noqa: E402
-from bench.system import CLK_TCK, babelcast_run, pct  # noqa: E402
+from bench.system import CLK_TCK, babelcast_run, number_or_text, pct  # noqa: E402
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize  # noqa: E402
 from workers.events import SAMPLE_RATE  # noqa: E402
 
@@ -197,13 +197,6 @@ async def _actors_ready(redis: Any, timeout_s: float) -> list[str]:
         await asyncio.sleep(0.5)
 
 
-def _num(value: str) -> float | str:
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
 def event_lines(ids: list[str], engine: str, target: str | None,
                 translation: str | None) -> list[str]:
     targets = f", targets: [{target}]" if target else ""
@@ -274,7 +267,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             status = server.redis.hgetall(f"status:{s}")
             for key in COUNTERS:
                 counters[key] += float(status.get(key, 0))
-        actors = {a: {k: _num(v) for k, v in server.redis.hgetall(f"actor:{a}").items()}
+        actors = {a: {k: number_or_text(v) for k, v in server.redis.hgetall(f"actor:{a}").items()}
                   for a in actor_ids}  # an idle ingest actor's is empty
 
     audio_s = samples / SAMPLE_RATE * len(ids)

@@ -21,6 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def number_or_text(value: str) -> float | str:
+    """A Redis hash value as a number where it is one (an actor's hash mixes both)."""
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
 def pct(values: list[float], q: float) -> float | None:
     """The q-quantile (linear interpolation), rounded to ms; None for no values."""
     if not values:

@@ -113,11 +113,4 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
         return RealtimeWsOptions(url=e.url, model=e.model, delay_s=e.delay_s,
                                  max_session_s=e.max_session_s, token=token,
                                  text_lag_s=e.text_lag_s)
-    return EmbeddedEngineOptions(
-        model=e.model, cpu_threads=e.cpu_threads, step_s=e.step_s, pause_s=e.pause_s,
-        final_pass=e.final_pass, final_beam_size=e.final_beam_size,
-        final_prompt_words=e.final_prompt_words, final_context_s=e.final_context_s,
-        unfinished_pause_s=e.unfinished_pause_s, final_beam_max_busy=e.final_beam_max_busy,
-        final_early_s=e.final_early_s, part_edge_s=e.part_edge_s, part_on_time=e.part_on_time,
-        calibrate=e.calibrate,
-    )
+    return e.embedded_options()

@@ -157,16 +157,13 @@ def needs_measuring(cfg: EventConfig) -> EmbeddedEngineOptions | None:
     """The engine options to measure before planning: an embedded event with `calibrate`
     on, no `streams_per_actor` of its own, actors on this host (no `ray.address`: another
     cluster's hosts measure themselves) and no figure cached for these options here."""
-    from orchestrator.actor_options import engine_options
     from workers.engines.calibrate import cached
-    from workers.engines.embedded import EmbeddedEngineOptions
 
     e = cfg.engine
     if (e.kind != "embedded" or not e.calibrate or "streams_per_actor" in e.model_fields_set
             or cfg.ray.address is not None):
         return None
-    options = engine_options(cfg)
-    assert isinstance(options, EmbeddedEngineOptions)
+    options = e.embedded_options()
     return options if cached(options) is None else None
 
 
@@ -177,9 +174,8 @@ async def measure_before_planning(options: EmbeddedEngineOptions) -> Calibration
     from workers.engines.embedded import EmbeddedWhisperEngine
 
     engine = EmbeddedWhisperEngine(options)
-    await engine.start()  # with options.calibrate, start() measures and caches
+    await engine.start()  # with options.calibrate (needs_measuring's), start() measures
     try:
-        cal = engine.calibration or await calibration(engine)
+        return engine.calibration or await calibration(engine)
     finally:
         await engine.aclose()
-    return cal

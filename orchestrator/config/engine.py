@@ -3,11 +3,14 @@ manager's policy, and the vllm engine's settings."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, PrivateAttr, model_validator
 
 from orchestrator.config.base import _fail, _raise_at, _Strict
+
+if TYPE_CHECKING:
+    from workers.engines.embedded import EmbeddedEngineOptions
 
 
 class SessionConfig(_Strict):
@@ -283,6 +286,20 @@ class EngineConfig(_Strict):
     """Set when the embedded default (what this host carries) was below the event's
     streams per actor and the budget was raised to fit them (EventConfig): the figure."""
 
+    def embedded_options(self) -> EmbeddedEngineOptions:
+        """What an embedded engine gets from this section (the actors' engines, and the
+        calibration looked up for the default streams per actor)."""
+        from workers.engines.embedded import EmbeddedEngineOptions
+
+        return EmbeddedEngineOptions(
+            model=self.model, cpu_threads=self.cpu_threads, step_s=self.step_s,
+            pause_s=self.pause_s, final_pass=self.final_pass,
+            final_beam_size=self.final_beam_size, final_prompt_words=self.final_prompt_words,
+            final_context_s=self.final_context_s, unfinished_pause_s=self.unfinished_pause_s,
+            final_beam_max_busy=self.final_beam_max_busy, final_early_s=self.final_early_s,
+            part_edge_s=self.part_edge_s, part_on_time=self.part_on_time,
+            calibrate=self.calibrate)
+
     @model_validator(mode="before")
     @classmethod
     def _default_streams(cls, data: Any) -> Any:
@@ -337,20 +354,10 @@ class EngineConfig(_Strict):
         from orchestrator.capacity import calibrated_streams_per_actor, default_streams_per_actor
 
         if self.calibrate:
-            from workers.engines.embedded import EmbeddedEngineOptions
-
-            # The options the actor's engine gets (actor_options.engine_options), so the
-            # figure looked up is the one the engine itself caches.
-            self.streams_per_actor = calibrated_streams_per_actor(EmbeddedEngineOptions(
-                model=self.model, cpu_threads=self.cpu_threads, step_s=self.step_s,
-                pause_s=self.pause_s, final_pass=self.final_pass,
-                final_beam_size=self.final_beam_size,
-                final_prompt_words=self.final_prompt_words,
-                final_context_s=self.final_context_s,
-                unfinished_pause_s=self.unfinished_pause_s,
-                final_early_s=self.final_early_s, part_edge_s=self.part_edge_s,
-                part_on_time=self.part_on_time,
-                final_beam_max_busy=self.final_beam_max_busy, calibrate=True), self.actors)
+            # The options the actor's engine gets, so the figure looked up is the one the
+            # engine itself caches.
+            self.streams_per_actor = calibrated_streams_per_actor(self.embedded_options(),
+                                                                  self.actors)
         else:
             self.streams_per_actor = default_streams_per_actor(self.model, self.cpu_threads,
                                                                self.actors)
