@@ -104,8 +104,11 @@ OPTIONS: dict[str, dict[str, Any]] = {
     # Sentences inside running speech finalised once 0.5 s (not 1 s) behind the newest
     # audio: read speech with few 0.6 s pauses gets its finals from these parts.
     "part-0.5": {"part_edge_s": 0.5},
-    # The same with part_on_time (on by default since 2026-12-04): 0.75 s.
+    # The same with part_on_time (on by default since 2026-12-04): 0.75 s (English's
+    # default since 2026-12-05, so the same as `default` there), and 1.0 s (the default
+    # for every language before, still for the others).
     "part-0.75": {"part_edge_s": 0.75},
+    "part-1.0": {"part_edge_s": 1.0},
     # Beam 5 on the final pass while the decode thread was busy at most half the time
     # (in lock step it always is: measure this one in real time).
     "beam5-headroom": {"final_beam_size": 5, "final_beam_max_busy": 0.5},

@@ -14,8 +14,11 @@ from orchestrator.capacity import default_streams_per_actor
 from orchestrator.config import ConfigError, ConfigIssue, EngineConfig, load_event
 from orchestrator.config.engine import EMBEDDED_ONLY
 from workers.engines import calibrate
+from workers.engines.base import SessionOptions
 from workers.engines.calibrate import Calibration
 from workers.engines.embedded import EmbeddedEngineOptions
+from workers.engines.embedded_options import PART_EDGE_DEFAULT_S, part_edge_for
+from workers.engines.embedded_session import EmbeddedWhisperSession
 
 pytestmark = pytest.mark.unit
 
@@ -92,6 +95,24 @@ def test_left_out_the_levers_are_the_engines_own_defaults(tmp_path: Path) -> Non
         assert field.description and "embedded only" in field.description, key
     cfg = load_event(write(tmp_path, "event: e\nstreams:\n  - {id: a, source: push}\n"))
     assert engine_options(cfg) == EmbeddedEngineOptions(calibrate=True)
+
+
+def test_part_edge_left_unset_is_per_language_and_auto_takes_the_detected_one() -> None:
+    assert part_edge_for(None, "en") == 0.75
+    assert part_edge_for(None, "fr") == part_edge_for(None, "it") == PART_EDGE_DEFAULT_S == 1.0
+    assert part_edge_for(None, None) == 1.0, "auto before it has detected a language"
+    assert part_edge_for(0.5, "en") == part_edge_for(0.5, "fr") == 0.5, "the event's wins"
+
+    class OptionsOnlyHost:
+        """A session reads only its host's options when it is made (no model here)."""
+        options = EmbeddedEngineOptions()
+
+    auto = EmbeddedWhisperSession(OptionsOnlyHost(), SessionOptions("a", "auto"))  # type: ignore[arg-type]
+    assert auto._part_edge_s == 1.0
+    auto._detected = "en"
+    assert auto._part_edge_s == 0.75
+    french = EmbeddedWhisperSession(OptionsOnlyHost(), SessionOptions("f", "fr"))  # type: ignore[arg-type]
+    assert french._part_edge_s == 1.0
 
 
 @pytest.mark.parametrize(("key", "value", "says"), [

@@ -255,12 +255,14 @@ class EngineConfig(_Strict):
                     "before a pause reaches pause_s, and commit it when the pause completes "
                     "(speech before then drops it: one decode spent); 0: start it when the "
                     "pause is whole")
-    part_edge_s: float = Field(
-        default=1.0, gt=0, le=10, examples=[0.75],
+    part_edge_s: float | None = Field(
+        default=None, gt=0, le=10, examples=[1.0],
         description="embedded only, utterance mode: a sentence end the interims show inside "
                     "running speech is final once the audio is this many seconds past it and "
                     "an interim decoded then still shows it; shorter: earlier finals, and "
-                    "more of Whisper's end-of-window periods taken at their word")
+                    "more of Whisper's end-of-window periods taken at their word; null: "
+                    "0.75 for English, 1.0 for other languages (measured: bench.peer and "
+                    "bench.accuracy lock step, 2026-12-05)")
     part_on_time: bool = Field(
         default=True, examples=[False],
         description="embedded only, utterance mode: decode that interim as soon as the audio "

@@ -11,6 +11,22 @@ from typing import Literal
 FinalPass = Literal["utterance", "agreement"]
 FINAL_PASSES: tuple[FinalPass, ...] = ("utterance", "agreement")
 
+PART_EDGE_S: dict[str, float] = {"en": 0.75}
+"""`part_edge_s` where the event leaves it unset, per language. English at 0.75 s: its finals
+came 0.3 s sooner at the same WER in real time on both English sets beside WhisperLive
+(bench.peer, 2026-12-05: final p50 1.82 / 2.10 s held-out, the same 8.30 %); in lock step it
+cost 1 error in 312 English words but 8 in 456 French, Spanish and Italian ones, so other
+languages keep 1.0 s (bench/results/embedded_accuracy/lockstep_part075.json)."""
+PART_EDGE_DEFAULT_S = 1.0
+"""`part_edge_s` for a language not in `PART_EDGE_S`, and while `auto` has not detected one."""
+
+
+def part_edge_for(part_edge_s: float | None, language: str | None) -> float:
+    """The `part_edge_s` a session uses: the option where it is set, else its language's."""
+    if part_edge_s is not None:
+        return part_edge_s
+    return PART_EDGE_S.get(language or "", PART_EDGE_DEFAULT_S)
+
 
 @dataclass(frozen=True, slots=True)
 class EmbeddedEngineOptions:
@@ -24,7 +40,10 @@ class EmbeddedEngineOptions:
     lead_in_s: float = 0.3
     final_pass: FinalPass = "utterance"
     max_utterance_s: float = 20.0
-    part_edge_s: float = 1.0
+    part_edge_s: float | None = None
+    """Utterance mode: a sentence end the interims show inside running speech is final
+    once the audio is this many seconds past it. None: per language (`part_edge_for`),
+    0.75 s for English, 1.0 s otherwise."""
     part_on_time: bool = True
     """Utterance mode: when an interim shows a sentence end less than `part_edge_s` before
     the newest audio, the next interim is decoded as soon as the audio is `part_edge_s`

@@ -48,7 +48,7 @@ import numpy as np
 from workers.captions.segmenter import ends_sentence
 from workers.engines.agreement import LocalAgreement
 from workers.engines.base import END, RecognizeSession, SessionInput, SessionOptions
-from workers.engines.embedded_options import EmbeddedEngineOptions
+from workers.engines.embedded_options import EmbeddedEngineOptions, part_edge_for
 from workers.engines.vad import FRAME_SAMPLES, VoiceActivity
 from workers.events import SAMPLE_RATE, AudioChunk, AudioGap, TranscriptDelta, Word
 
@@ -136,6 +136,12 @@ class EmbeddedWhisperSession(RecognizeSession):
     @property
     def _utterance_mode(self) -> bool:
         return self.opts.final_pass == "utterance"
+
+    @property
+    def _part_edge_s(self) -> float:
+        """`part_edge_s` for this session: the option, else its language's (`auto`: the
+        one detected, 1.0 s until then)."""
+        return part_edge_for(self.opts.part_edge_s, self._lang)
 
     @property
     def idle(self) -> bool:
@@ -361,7 +367,7 @@ class EmbeddedWhisperSession(RecognizeSession):
             return
         # A sentence that ended a while ago inside a running utterance is finalised without
         # waiting for the pause (once per sentence end the interims show).
-        limit = self._buf_end_s - self.opts.part_edge_s
+        limit = self._buf_end_s - self._part_edge_s
         sentences = [w.end_s for w in words if ends_sentence(w.text)
                      and w.start_s >= self._final.last_committed_end]
         ends = [e for e in sentences if e <= limit]
@@ -371,7 +377,7 @@ class EmbeddedWhisperSession(RecognizeSession):
             await self._final_part(force=False)
         elif self.opts.part_on_time:
             later = [e for e in sentences if e > limit and e > self._part_tried_s]
-            self._part_due = later[0] + self.opts.part_edge_s if later else None
+            self._part_due = later[0] + self._part_edge_s if later else None
 
     @property
     def _part_is_due(self) -> bool:
@@ -460,7 +466,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         among them (`force`, past `max_utterance_s`: all of them if no sentence ends).
         Whether it committed any."""
         fresh = self._final.fresh(await self._final_decode(None))
-        limit = self._buf_end_s - self.opts.part_edge_s
+        limit = self._buf_end_s - self._part_edge_s
         safe = [w for w in fresh if w.end_s <= limit]
         ends = [i for i, w in enumerate(safe) if ends_sentence(w.text)]
         if ends:
