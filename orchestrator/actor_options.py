@@ -105,7 +105,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             sync_free_melspec=v.sync_free_melspec,
             incremental_token_writes=v.incremental_token_writes,
             window_trim=v.window_trim, engines_per_gpu=v.engines_per_gpu,
-            cuda_mps=v.cuda_mps,
+            cuda_mps=v.cuda_mps, aligned_feed_ms=v.aligned_feed_ms,
         )
     if e.kind == "realtime-ws":
         assert e.url is not None

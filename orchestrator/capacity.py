@@ -36,8 +36,15 @@ rule of `bench.capacity.strict`, the others by `bench.voxtral_capacity`'s knee (
   busy; 80 stalled in the bench's own ageing, fixed since, not measured again). An engine
   with the whole GPU has twice the cache; it is given the same budget until its own aged
   knee is measured.
-- fp8 KV cache, three engines per GPU, under CUDA MPS (`cuda_mps: true`: the operator runs
-  MPS's daemon on the GPU nodes, and an engine without it refuses to start):
+- fp8 KV cache, three engines per GPU, under CUDA MPS, chunks fed on the engine's shared
+  80 ms tick (`aligned_feed_ms`, 80 by default): `VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR`,
+  22, the first levels to pass the strict keep-up rule as a whole (2026-12-05, arrivals
+  spread evenly over the 80 ms cycle as independent encoders send them, sessions aged
+  12 min, ages staggered): 60 (20 per engine) kept 60 of 60 up, p99 <= 0.24 s, and 75
+  (25 per engine) 75 of 75, p99 <= 0.56 s, growth <= 0.06 s, 74 re-anchors in the phase,
+  the 97 % control caught in both. 22 is 25 less 10 %; 90 is not measured at these
+  arrivals, so the knee may lie higher.
+- The same with `aligned_feed_ms: 0` (each chunk handed on as it arrives):
   `VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR`, 18, from the strict keep-up rule (bench/capacity/
   rule.py: backlog growth < 0.5 s and p99 <= 1.0 s over a 300 s phase; H200, sessions aged
   12 minutes with ages staggered over the re-anchor cycle, the engine-core levers and
@@ -50,7 +57,9 @@ rule of `bench.capacity.strict`, the others by `bench.voxtral_capacity`'s knee (
   between 20 and 30 per engine and moves between runs by more than that gap, so 18 is the
   level that held (20) less a 10 % margin, provisional until a level passes as a whole.
   (36 came from 110 held at 12.0 frames/s, 96 % of real time, over a 43 s window; 30 from
-  the 100-session run, until the 90-session run failed.)
+  the 100-session run, until the 90-session run failed.) Those runs fed every session's
+  chunk at one instant, the best case for feeding chunks as they arrive; with arrivals
+  spread over the cycle and no tick, no level is measured.
 - fp8 KV cache, three engines per GPU, without MPS: `VLLM_FP8_X3_STREAMS_PER_ACTOR`, 18.
   Without MPS the engines' kernels take turns and an engine is slower than with it (112
   aged sessions made 9.58 frames/s without MPS and 12.15 with it, 2026-12-03), so its
@@ -88,6 +97,10 @@ VLLM_STREAMS_PER_ACTOR = 18
 VLLM_FP8_STREAMS_PER_ACTOR = 36
 VLLM_FP8_X3_STREAMS_PER_ACTOR = 18
 VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR = 18
+VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR = 22
+ALIGNED_FEED_MS = 80
+"""`engine.vllm.aligned_feed_ms` where the event leaves it out (the tick the budget above
+was measured with)."""
 
 
 def vllm_streams_per_actor(vllm: object) -> int:
@@ -99,8 +112,12 @@ def vllm_streams_per_actor(vllm: object) -> int:
         if engines <= 2:
             return VLLM_FP8_STREAMS_PER_ACTOR
         if engines == 3:
-            return (VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR if section.get("cuda_mps") is True
-                    else VLLM_FP8_X3_STREAMS_PER_ACTOR)
+            if section.get("cuda_mps") is not True:
+                return VLLM_FP8_X3_STREAMS_PER_ACTOR
+            aligned = section.get("aligned_feed_ms", ALIGNED_FEED_MS)
+            return (VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR
+                    if isinstance(aligned, int) and aligned > 0
+                    else VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR)
     return VLLM_STREAMS_PER_ACTOR
 
 

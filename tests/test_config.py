@@ -8,8 +8,10 @@ import pytest
 from pydantic import BaseModel
 
 from orchestrator.capacity import (
+    ALIGNED_FEED_MS,
     REALTIME_STREAMS_PER_CORE,
     VLLM_FP8_STREAMS_PER_ACTOR,
+    VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR,
     VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR,
     VLLM_FP8_X3_STREAMS_PER_ACTOR,
     VLLM_STREAMS_PER_ACTOR,
@@ -25,6 +27,7 @@ from orchestrator.config import (
     RayConfig,
     RedisConfig,
     StreamConfig,
+    VllmConfig,
     load_event,
     parse_event,
 )
@@ -386,10 +389,16 @@ def test_streams_per_actor_is_derived_only_when_the_file_does_not_set_it() -> No
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 2") == 36
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3") == VLLM_FP8_X3_STREAMS_PER_ACTOR == 18
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 4") == 18
-    # three under CUDA MPS (the operator says the nodes run it): 20 per engine kept up by the
-    # strict rule and 30 did not, so 20 less a 10 % margin; without MPS never more
+    # three under CUDA MPS (the operator says the nodes run it), chunks on the shared tick
+    # (aligned_feed_ms, on by default): 25 per engine passed the strict rule, less 10 %;
+    # feeding as they arrive, 20 kept up and 30 did not: 18; without MPS never more
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true") \
-        == VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR == 18
+        == VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR == 22
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true, "
+                "aligned_feed_ms: 0") == VLLM_FP8_X3_MPS_STREAMS_PER_ACTOR == 18
+    assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true, "
+                "aligned_feed_ms: 40") == 22
+    assert VllmConfig.model_fields["aligned_feed_ms"].default == ALIGNED_FEED_MS == 80
     assert vllm("kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: false") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 3, cuda_mps: true") == 18
     assert vllm("kv_cache_dtype: auto, engines_per_gpu: 2") == 18
@@ -411,6 +420,10 @@ def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
                 "  vllm:\n    engines_per_gpu: 3\n    cuda_mps: true\n"
                 "streams:\n  - {id: a, source: push}\n")
     assert engine_options(load_event(cfg)).cuda_mps is True  # type: ignore[union-attr]
+    # the chunks' shared tick reaches the engine: on by default, 0 when the event says so
+    assert engine_options(load_event(cfg)).aligned_feed_ms == 80  # type: ignore[union-attr]
+    cfg.write_text(cfg.read_text().replace("cuda_mps: true", "aligned_feed_ms: 0"))
+    assert engine_options(load_event(cfg)).aligned_feed_ms == 0  # type: ignore[union-attr]
     cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
                 "    engines_per_gpu: 0\nstreams:\n  - {id: a, source: push}\n")
     with pytest.raises(ConfigError) as err:

@@ -5,7 +5,7 @@
     python -m bench.capacity.render --check    # exit 1 if a table and its files disagree
 
 Nothing in a table is typed by hand: each row is one results file, and links to it.
-tests/test_capacity_tables.py fails when a table and its files disagree.
+tests/test_bench_strict.py fails when a table and its files disagree.
 """
 
 from __future__ import annotations

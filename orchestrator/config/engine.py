@@ -86,19 +86,19 @@ class VllmConfig(_Strict):
                     "engines share a GPU: three at 112 aged made 12.15 frames/s per session "
                     "with it, 9.58 without (docs/gpu.md, CUDA MPS). These figures were "
                     "judged at 96 % of real time over seconds; by the strict keep-up rule "
-                    "no level has passed yet (docs/gpu.md, Budgets)")
+                    "three under MPS kept 75 aged sessions up (docs/gpu.md, Budgets)")
     cuda_mps: bool = Field(
         default=False,
         description="the GPU nodes run CUDA MPS (their operator starts "
                     "`nvidia-cuda-mps-control -d` before Ray starts the actors): an engine "
                     "that MPS does not serve (no daemon answers, or its engine core is not "
                     "a client of the daemon's server) refuses to start instead of running "
-                    "slower than its budget, and with fp8 and three engines per GPU "
-                    "the default streams_per_actor is 18 per engine, with or without MPS: by "
-                    "the strict keep-up rule, with sessions aged 12 min on three engines "
-                    "under MPS, 20 per engine kept every session up and 30 per engine kept "
-                    "none (2026-12-04, bench/results/capacity_h200); 18 is 20 less 10 %, "
-                    "provisional until a level passes as a whole (docs/gpu.md)")
+                    "slower than its budget. With fp8 and three engines per GPU the default "
+                    "streams_per_actor is 22 per engine under MPS with aligned_feed_ms on: by "
+                    "the strict keep-up rule, sessions aged 12 min arriving spread over the "
+                    "80 ms cycle, 25 per engine kept 75 of 75 up (2026-12-05, "
+                    "bench/results/capacity_h200); 22 is 25 less 10 %. Without MPS, or with "
+                    "aligned_feed_ms 0, 18 (docs/gpu.md, Budgets)")
     direct_input: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="build each 80 ms chunk's engine input directly instead of through "
@@ -142,6 +142,16 @@ class VllmConfig(_Strict):
                     "aged decode step at the cost of 8,192 positions from the start: "
                     "1.38-1.81x vLLM's call on an aged decoder layer, fp8 (bench.fa_kernels "
                     "--trim)")
+    aligned_feed_ms: int = Field(
+        default=80, ge=0, le=1000, examples=[0],
+        description="hand each caught-up session's 80 ms chunk to the model on one tick of "
+                    "this many ms shared by the engine's sessions, so one engine-core step "
+                    "carries them all, instead of a step per place in the cycle where streams "
+                    "arrive (costs up to one tick of caption latency; a session behind is "
+                    "never held); 0: as each arrives. On the H200 three engines under MPS "
+                    "with arrivals spread over the cycle kept 60 and 75 sessions aged 12 min "
+                    "up by the strict rule with 80 (bench/results/capacity_h200, 2026-12-05); "
+                    "without it at those arrivals: not measured")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "
@@ -220,9 +230,10 @@ class EngineConfig(_Strict):
         description="streams one ASR actor decodes; unset: embedded engines take what the "
                     "host keeps in real time (calibrate: measured here; else per core), "
                     "raised to fit the event's streams with a warning, vllm the "
-                    "budget for its KV type and engines per GPU (18 per engine for each; "
-                    "provisional: no level has passed the strict keep-up rule yet; "
-                    "orchestrator/capacity.py, docs/gpu.md), other engines 4")
+                    "budget for its KV type and engines per GPU (22 per engine for three "
+                    "fp8 engines under MPS, from the strict keep-up rule; 18 or 36 "
+                    "elsewhere, not yet re-measured by it; orchestrator/capacity.py, "
+                    "docs/gpu.md), other engines 4")
     cpu_threads: int = Field(default=2, ge=1, description="CPU threads per ASR actor")
     step_s: float = Field(default=1.0, gt=0, description="seconds between re-decodes of a stream")
     pause_s: float = Field(default=0.6, gt=0, description="silence in seconds that ends a caption")

@@ -105,8 +105,11 @@ class VllmEngineOptions:
     Costs up to one tick of caption latency (half on average); a session that is behind
     is never held. On the H200 (2026-12-04) the engine whose sessions' chunks did not all
     arrive together spent 17-21 % more engine-core CPU per chunk than its peers whose did
-    (bench/results/capacity_h200/README.md); this lever is not yet measured: benchmarks
-    only until it is (bench.capacity.strict `--aligned-feed-ms 80`)."""
+    (bench/results/capacity_h200/README.md). With 80, and arrivals spread evenly over the
+    cycle, three engines under MPS kept 60 and 75 aged sessions up by the strict rule
+    (2026-12-05, engine core 2.0-2.3 ms per chunk against 2.6-3.0 ms in the lock-step
+    75 runs). An event's default is 80 (`engine.vllm.aligned_feed_ms`); an engine made
+    in code (the benches) feeds as chunks arrive unless told."""
     cuda_mps: bool = False
     """The operator says the GPU node runs CUDA MPS (`engine.vllm.cuda_mps`): the engine
     refuses to start where MPS does not serve it (its budget assumed MPS): no daemon
