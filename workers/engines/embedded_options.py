@@ -18,7 +18,7 @@ came 0.3 s sooner at the same WER in real time on both English sets beside Whisp
 cost 1 error in 312 English words but 8 in 456 French, Spanish and Italian ones, so other
 languages keep 1.0 s (bench/results/embedded_accuracy/lockstep_part075.json). It decodes
 more: the host calibration (English speech, lock step) read 0.34-0.37 s of decode per audio
-s against 0.29-0.31 s at 1.0 s, three runs each on the 2-core development host, which put
+s against 0.29-0.31 s at 1.0 s, four runs each on the 2-core development host, which put
 that host's figure at the edge between 1 and 2 streams per actor (two streams held final
 p50 1.39 s and no stalls, bench/results/embedded_accuracy/e2e_two_streams_english_edge.json)."""
 PART_EDGE_DEFAULT_S = 1.0
