@@ -274,7 +274,7 @@ class EngineConfig(_Strict):
                     "more of Whisper's end-of-window periods taken at their word; null: "
                     "0.75 for English, 1.0 for other languages (bench.peer and bench.accuracy "
                     "lock step, 2026-12-05: English finals 0.26 s sooner at the same WER, for "
-                    "~15 % more decoding per stream in the host calibration)")
+                    "~17 % more decoding per stream in the host calibration)")
     part_on_time: bool = Field(
         default=True, examples=[False],
         description="embedded only, utterance mode: decode that interim as soon as the audio "

@@ -12,9 +12,10 @@ FinalPass = Literal["utterance", "agreement"]
 FINAL_PASSES: tuple[FinalPass, ...] = ("utterance", "agreement")
 
 PART_EDGE_S: dict[str, float] = {"en": 0.75}
-"""`part_edge_s` where the event leaves it unset, per language. English at 0.75 s: its finals
-came 0.3 s sooner at the same WER in real time on both English sets beside WhisperLive
-(bench.peer, 2026-12-05: final p50 1.82 / 2.10 s held-out, the same 8.30 %); in lock step it
+"""`part_edge_s` where the event leaves it unset, per language. English at 0.75 s: on held-out
+English its finals came 0.26-0.32 s sooner at the same WER in real time beside WhisperLive
+(bench.peer, 2026-12-05, three runs: final p50 1.79 / 2.05 s in the last, the same 8.30 %);
+on the reference talk, whose finals come at pauses, it changed neither; in lock step it
 cost 1 error in 312 English words but 8 in 456 French, Spanish and Italian ones, so other
 languages keep 1.0 s (bench/results/embedded_accuracy/lockstep_part075.json). It decodes
 more: the host calibration (English speech, lock step) read 0.34-0.37 s of decode per audio
