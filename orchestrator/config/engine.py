@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from pydantic import Field, PrivateAttr, model_validator
 
+from orchestrator.capacity import ALIGNED_FEED_MS
 from orchestrator.config.base import _fail, _raise_at, _Strict
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class VllmConfig(_Strict):
                     "1.38-1.81x vLLM's call on an aged decoder layer, fp8 (bench.fa_kernels "
                     "--trim)")
     aligned_feed_ms: int = Field(
-        default=80, ge=0, le=1000, examples=[0],
+        default=ALIGNED_FEED_MS, ge=0, le=1000, examples=[0],
         description="hand each caught-up session's 80 ms chunk to the model on one tick of "
                     "this many ms shared by the engine's sessions, so one engine-core step "
                     "carries them all, instead of a step per place in the cycle where streams "
