@@ -9,8 +9,13 @@ and feeds `OVERLOAD` times the rooms that thread could decode at 100 % busy. Loc
 decodes every interim, and a loaded engine skips interims, so the thread carries more
 rooms than that figure says: 2.5 times it reached a 10.5 s lag in 75 s and shed nothing;
 5 times shed in every room, and once, on a host busy with other work as well, starved a
-room of every final (each of its sessions shed before its first). Four times it is. The actor
-runs the shedding policy at 20 s (`SessionPolicy.shed_after_s`). What must hold:
+room of every final (each of its sessions shed before its first). Four times it is.
+
+Even so, how far behind four times gets in a fixed time is not the same on every host: CI's
+ran 16 rooms only 13.9 s behind in 75 s, short of a 20 s policy, and shed nothing. So the
+actor sheds at 10 s (`SessionPolicy.shed_after_s`; production's default is 20), and the load
+is held for at least `LOAD_S` and then until a room has shed, up to `LOAD_MAX_S`: a host
+that is still not that far behind by then fails the test as "not overloaded". What must hold:
 - no final with empty text or with audio times outside the stream (`start < end`);
 - every stretch of each room's audio is either captioned (a final covers it) or reported
   as a `gap` event with its seconds; nothing is dropped without one (`queue_full` 0);
@@ -46,8 +51,9 @@ OVERLOAD = 4.0
 """Rooms fed, as a multiple of those the decode thread could carry at 100 % busy."""
 MIN_ROOMS, MAX_ROOMS = 6, 64
 LOAD_S = 75.0
+LOAD_MAX_S = 135.0
 AFTER_S = 40.0
-SHED_S = 20.0
+SHED_S = 10.0
 CHUNK = SAMPLE_RATE // 10
 
 
@@ -112,27 +118,46 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
     stay = rooms[:2]  # fed on after the load drops
     print(f"overload: one stream busies the decode thread {busy:.3f}; "
           f"feeding {len(rooms)} rooms")
-    pcm, _ = talk((LOAD_S + AFTER_S) / 60 + 0.1)
+    pcm, _ = talk((LOAD_MAX_S + AFTER_S) / 60 + 0.2)
     actor = ray.remote(num_cpus=0)(AsrActor).remote(
         AsrHostOptions(actor_id="asr-0", redis_url=redis_url, max_streams=len(rooms),
                        read_block_ms=100, session_policy=SessionPolicy(shed_after_s=SHED_S)),
         options)
     samples: list[dict[str, Any]] = []
     fed_s: dict[str, float] = {}
+    shed_seen = asyncio.Event()  # a room's status counts seconds shed
+    dropped = asyncio.Event()  # the load dropped: all rooms but `stay` stop
+    dropped_at = math.inf
 
-    async def feed(room: str, seconds: float) -> None:
+    async def feed(room: str) -> None:
         t0 = time.monotonic()
-        for i in range(0, int(seconds * SAMPLE_RATE) * 2, CHUNK * 2):
+        for i in range(0, len(pcm) - CHUNK * 2, CHUNK * 2):
+            if dropped.is_set() and (room not in stay
+                                     or time.monotonic() >= dropped_at + AFTER_S):
+                return
             await asyncio.sleep(max(0.0, t0 + (i // 2 + CHUNK) / SAMPLE_RATE
                                     - time.monotonic()))
             await bus.add_audio(AudioChunk(room, i // 2, pcm[i:i + CHUNK * 2], time.time()))
             fed_s[room] = (i // 2 + CHUNK) / SAMPLE_RATE
+        raise AssertionError(f"{room}: the talk ran out before the feed ended")
+
+    async def drop_load() -> None:
+        nonlocal dropped_at
+        await asyncio.sleep(LOAD_S)
+        try:
+            await asyncio.wait_for(shed_seen.wait(), LOAD_MAX_S - LOAD_S)
+        except TimeoutError:
+            pass  # not overloaded enough to shed: asserted below, with the lag seen
+        dropped_at = time.monotonic()
+        dropped.set()
 
     async def watch(stop: asyncio.Event) -> None:
         while not stop.is_set():
             st = {r: await bus.get_status(r) for r in rooms}
             actor_st = await bus.redis.hgetall("actor:asr-0")
             samples.append({"t": time.monotonic(), "rooms": st, "actor": actor_st})
+            if any(float(s.get("skipped_s_shed", 0)) > 0 for s in st.values()):
+                shed_seen.set()
             await asyncio.sleep(1.0)
 
     try:
@@ -142,9 +167,8 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
         stop = asyncio.Event()
         watcher = asyncio.create_task(watch(stop))
         started = time.monotonic()
-        await asyncio.gather(*(feed(r, LOAD_S + (AFTER_S if r in stay else 0.0))
-                               for r in rooms))
-        dropped_at = started + LOAD_S
+        await asyncio.gather(drop_load(), *(feed(r) for r in rooms))
+        print(f"overload: the load dropped after {dropped_at - started:.0f} s")
 
         def lag(room: str, sample: dict[str, Any]) -> float:
             return float(sample["rooms"][room].get("caption_lag_s", "nan"))
@@ -186,9 +210,12 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
         long_holes = [(round(a, 1), round(b, 1)) for a, b in holes(segs, upto) if b - a > 6.0]
         assert not long_holes, f"{room}: audio neither captioned nor reported: {long_holes}"
         assert float(statuses[room].get("skipped_s_queue_full", 0)) == 0.0, room
-    # Overloaded, and it was seen: rooms behind in their status and in the actor's.
-    assert worst > 10.0, f"not overloaded (worst lag {worst:.1f} s): the test proves nothing"
+    # Overloaded past the policy, and it was seen: the policy shed (with gap events), and
+    # rooms were behind in their status and in the actor's.
+    assert sum(gaps.values()) > 0, (
+        f"nothing shed in {LOAD_MAX_S:.0f} s (worst lag {worst:.1f} s, policy {SHED_S} s): "
+        f"not overloaded, the test proves nothing")
+    assert worst > SHED_S / 2, f"shed, but no room's status showed it behind ({worst:.1f} s)"
     assert max(behind_counts) >= 1
-    assert sum(gaps.values()) > 0, f"lag passed {SHED_S} s and nothing was shed: {gaps}"
     # The load dropped: the rooms left caught up.
     assert all(v < 5.0 for v in end_lags.values()), end_lags
