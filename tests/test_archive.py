@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import webvtt
 from orchestrator.outputs.archive import ArchiveWriter
 from orchestrator.outputs.config import ArchiveConfig, OutputsConfig, start_outputs
 from orchestrator.outputs.cues import final_cues
-from orchestrator.outputs.runner import OutputsRunner
+from orchestrator.outputs.runner import DRAIN_S, OutputsRunner
 from tests.outputs_support import caption
 from tests.speech import ROOT
 from tests.waiting import eventually
@@ -346,6 +349,73 @@ async def test_finals_published_just_before_a_stop_are_in_the_archive(
     finally:
         await runner.aclose()
     assert unescape(vtt_cues(path)) == expected([s for s in ENGLISH if s.is_final])
+
+
+SLOW_WRITE_S = 0.4
+"""A slow disk (a stand-in: the archive's own write, delayed): 12 finals take 4.8 s to
+write, longer than the close waits for an output that has stopped (`DRAIN_S`, 3 s)."""
+
+
+@integration
+async def test_a_slow_archive_that_keeps_writing_gets_every_final_before_the_close(
+    redis_url: str, bus: RedisBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded host or a slow disk is slow, not stuck: closing waits while the archive
+    keeps writing (it once closed after a fixed 3 s and lost the stop's last captions)."""
+    write = ArchiveWriter.write
+
+    def slow_write(self: ArchiveWriter, seg: CaptionSegment) -> int:
+        time.sleep(SLOW_WRITE_S)
+        return write(self, seg)
+
+    monkeypatch.setattr(ArchiveWriter, "write", slow_write)
+    finals = [caption(i, i, f"Sentence number {i}.", 2.0 * i, 2.0 * i + 1.5)
+              for i in range(1, 13)]
+    assert len(finals) * SLOW_WRITE_S > DRAIN_S  # else this shows nothing
+    cfg = OutputsConfig(archive=ArchiveConfig(dir=str(tmp_path)))
+    runner = await start_outputs(redis_url, [HALL], cfg, environ={})
+    await publish(bus, finals)  # the stop's finals, the moment before the close
+    await runner.aclose()
+    assert unescape(vtt_cues(tmp_path / "hall" / "en.vtt")) == expected(finals)
+
+
+@integration
+async def test_a_stuck_archive_does_not_hold_the_stop(
+    redis_url: str, bus: RedisBus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """An output that writes nothing (a hung mount) is given up on `drain_s` after its
+    last write, with a warning naming the track and the seq it did not reach."""
+    release = threading.Event()
+    write = ArchiveWriter.write
+
+    def stuck_write(self: ArchiveWriter, seg: CaptionSegment) -> int:
+        if seg.seq >= 2:
+            release.wait(60)
+        return write(self, seg)
+
+    monkeypatch.setattr(ArchiveWriter, "write", stuck_write)
+    cfg = OutputsConfig(archive=ArchiveConfig(dir=str(tmp_path)))
+    runner = await start_outputs(redis_url, [HALL], cfg, environ={})
+    try:
+        await publish(bus, [caption(i, i, f"Sentence {i}.", 2.0 * i, 2.0 * i + 1)
+                            for i in (1, 2, 3)])
+        path = tmp_path / "hall" / "en.vtt"
+
+        async def first_written() -> bool:
+            return cue_count(path) == 1
+
+        await eventually(first_written, WAIT_S, "the first final archived")
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="orchestrator.outputs.runner"):
+            await runner.aclose(drain_s=1.0)
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    # Given up after 1 s without a write, then 1 s for the write in flight to end.
+    assert took < 1.0 + 1.0 + 2.0, took
+    assert any("hall/en closed before seq 3 was written (nothing written for 1 s)"
+               in r.getMessage() for r in caplog.records), caplog.text
 
 
 @integration

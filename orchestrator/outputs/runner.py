@@ -31,7 +31,12 @@ log = logging.getLogger(__name__)
 
 READ_COUNT = 200
 DRAIN_S = 3.0
-"""How long closing waits for the outputs to write what Redis already holds."""
+"""How long closing waits for an output that has stopped moving to write what Redis already
+holds. While the outputs keep writing, closing waits on (up to `DRAIN_MAX_S`): a loaded host
+or a slow disk is slow, not stuck, and the captions of the stop's last seconds belong in the
+archive."""
+DRAIN_MAX_S = 30.0
+"""The most closing waits for the outputs however they move (a stop must end)."""
 
 
 def youtube_state_key(stream: str, lang: str) -> str:
@@ -217,29 +222,26 @@ class OutputsRunner:
         # YouTube shows captions live only: a restarted sink starts at the live edge.
         return YoutubeSinkAdapter(sink, after_seq=latest_seq)
 
-    async def aclose(self, drain_s: float = DRAIN_S) -> None:
-        """Close the outputs once they hold what Redis holds (within `drain_s`): a stop
-        publishes the open captions' finals just before (`AsrHost.stop`), and those
-        belong in the archive (issue 36: the sentence open at SIGTERM was missing)."""
+    async def aclose(self, drain_s: float = DRAIN_S, max_s: float = DRAIN_MAX_S) -> None:
+        """Close the outputs once they hold what Redis holds: a stop publishes the open
+        captions' finals just before (`AsrHost.stop`), and those belong in the archive
+        (issue 36: the sentence open at SIGTERM was missing). Closing gives up when no
+        output has written anything for `drain_s`, or after `max_s` in all."""
+        held = False
         if self._task is not None and not self._task.done() and drain_s > 0:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + drain_s
-            for stream, lang in list(self.sinks):
-                try:
-                    latest = await self.bus.last_seq(stream, lang)
-                except Exception as exc:  # Redis away: close with what was read
-                    log.warning("outputs: cannot read %s/%s at close: %s", stream, lang,
-                                type(exc).__name__)
-                    break
-                if not await self.caught_up(stream, lang, latest,
-                                            max(0.0, deadline - loop.time())):
-                    log.warning("outputs: %s/%s closed before seq %d was written",
-                                stream, lang, latest)
+            await self._drain(drain_s, max_s)
+            # The caption being written as the drain ended is finished, not cut off
+            # (`_dispatch` counts a caption as handled as it starts writing it).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dispatching.acquire(), drain_s)
+                held = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if held:
+            self._dispatching.release()
         for sinks in self.sinks.values():
             for sink in sinks:
                 try:
@@ -249,6 +251,41 @@ class OutputsRunner:
         self.sinks.clear()
         if self._own_redis:
             await self.redis.aclose()
+
+    async def _drain(self, stall_s: float, max_s: float) -> None:
+        """Wait until every sink has handled the last seq Redis held when closing began,
+        while the sinks keep moving (any of them: the reader serves the tracks in turn)."""
+        latest: dict[tuple[str, str], int] = {}
+        for stream, lang in list(self.sinks):
+            try:
+                latest[(stream, lang)] = await self.bus.last_seq(stream, lang)
+            except Exception as exc:  # Redis away: close with what was read
+                log.warning("outputs: cannot read %s/%s at close: %s", stream, lang,
+                            type(exc).__name__)
+                return
+        loop = asyncio.get_running_loop()
+        started = moved_at = loop.time()
+
+        def behind() -> dict[tuple[str, str], int]:
+            return {key: seq for key, seq in latest.items()
+                    if any(s.after_seq < seq for s in self.sinks.get(key, []))}
+
+        def written() -> int:
+            return sum(s.after_seq for sinks in self.sinks.values() for s in sinks)
+
+        seen = written()
+        while left := behind():
+            now = loop.time()
+            if (total := written()) != seen:
+                seen, moved_at = total, now
+            if now - moved_at >= stall_s or now - started >= max_s:
+                for (stream, lang), seq in left.items():
+                    log.warning("outputs: %s/%s closed before seq %d was written (%s)",
+                                stream, lang, seq,
+                                f"nothing written for {stall_s:.0f} s"
+                                if now - moved_at >= stall_s else f"{max_s:.0f} s in all")
+                return
+            await asyncio.sleep(0.05)
 
     async def _read(self) -> None:
         cursors = {captions_key(s, lang): min(k.after_seq for k in sinks)
