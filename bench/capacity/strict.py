@@ -148,8 +148,21 @@ def step_rate(counted: dict[str, Any], window_s: float) -> dict[str, Any]:
     steps = int(counted.get("steps") or 0)
     if not steps or window_s <= 0:
         return {"steps_per_s": None, "requests_per_step": None}
-    return {"steps_per_s": round(steps / window_s, 1),
-            "requests_per_step": round(int(counted.get("step_requests") or 0) / steps, 2)}
+    out: dict[str, Any] = {
+        "steps_per_s": round(steps / window_s, 1),
+        "requests_per_step": round(int(counted.get("step_requests") or 0) / steps, 2)}
+    sizes = counted.get("step_sizes")
+    if sizes:  # how the steps split the requests: the quantiles of steps by their size
+        order = sorted((int(k), int(v)) for k, v in sizes.items())
+        total = sum(v for _, v in order)
+        for q in (0.1, 0.5, 0.9):
+            seen = 0
+            for size, n in order:
+                seen += n
+                if seen >= q * total:
+                    out[f"requests_per_step_p{round(q * 100)}"] = size
+                    break
+    return out
 
 
 STOP_S = 20.0

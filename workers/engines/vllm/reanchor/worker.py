@@ -200,13 +200,16 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         request vLLM preempted (`preempted_ended`); `live_blocks`: the KV blocks each
         request's last re-anchor re-rotated, per cache group (constant once it is older
         than every window); `steps`, `step_requests`: engine steps that scheduled any
-        request, and the requests they scheduled (their ratio: how well steps batch)."""
+        request, and the requests they scheduled (their ratio: how well steps batch);
+        `step_sizes`: those steps counted by how many requests each scheduled (a mean of
+        12.5 may be every step at 12 or 13, or steps of 20 and 5)."""
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
                 "deferred": dict(self._bc_failures()),
                 "rotation_failed": self._bc_counts()["rotation_failed"],
                 "steps": self._bc_counts()["steps"],
                 "step_requests": self._bc_counts()["step_requests"],
+                "step_sizes": {str(k): v for k, v in sorted(self._bc_sizes().items())},
                 "requests_ended": ROTATION_FAILURES.ended,
                 "preempted_ended": ROTATION_FAILURES.preempted_ended,
                 "shift_by_request": dict(self._bc_shifts()),
@@ -224,6 +227,11 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         if not hasattr(self, "_bc_counter"):
             self._bc_counter: Counter[str] = Counter()
         return self._bc_counter
+
+    def _bc_sizes(self) -> Counter[int]:
+        if not hasattr(self, "_bc_size_counter"):
+            self._bc_size_counter: Counter[int] = Counter()
+        return self._bc_size_counter
 
     def _bc_failures(self) -> Counter[str]:
         if not hasattr(self, "_bc_failure_counter"):
@@ -304,6 +312,7 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
             counts = self._bc_counts()
             counts["steps"] += 1
             counts["step_requests"] += scheduled
+            self._bc_sizes()[scheduled] += 1
         try:
             self._bc_apply(scheduler_output)
         except Exception:  # never kill the engine core over bookkeeping
