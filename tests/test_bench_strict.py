@@ -367,11 +367,14 @@ def test_steps_per_second_and_their_batch_come_from_the_workers_counts() -> None
     # stock: no plugin worker, no counts
     assert strict.step_rate({}, 300.0) == {"steps_per_s": None, "requests_per_step": None}
     # A mean of 12.5 per step from steps of 20 and 5, not of 12 and 13: the sizes say so.
-    before = {"steps": 10, "step_requests": 125, "step_sizes": {"5": 5, "20": 5}}
+    before = {"steps": 10, "step_requests": 125, "step_sizes": {"5": 5, "20": 5},
+              "step_gaps_ms": {"10": 5, "70": 4}}
     after = {"steps": 3010, "step_requests": 37625,
-             "step_sizes": {"5": 1505, "12": 0, "20": 1505}}
+             "step_sizes": {"5": 1505, "12": 0, "20": 1505},
+             "step_gaps_ms": {"10": 1505, "70": 1504}}
     counted = _counter_diff(before, after)
     assert counted["step_sizes"] == {"5": 1500, "20": 1500}
+    assert counted["step_gaps_ms"] == {"10": 1500, "70": 1500}
     assert strict.step_rate(counted, 300.0) == {
         "steps_per_s": 10.0, "requests_per_step": 12.5, "requests_per_step_p10": 5,
         "requests_per_step_p50": 5, "requests_per_step_p90": 20}

@@ -270,11 +270,11 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
                        - sum(int(v) for v in (before.get("deferred") or {}).values()))
     b, a = before.get("shift_by_request") or {}, after.get("shift_by_request") or {}
     out["requests_reanchored"] = sum(1 for rid, v in a.items() if b.get(rid) != v)
-    if "step_sizes" in after:  # steps by requests scheduled (a worker from before it: none)
-        b, a = before.get("step_sizes") or {}, after["step_sizes"]
-        sizes = {k: int(v) - int(b.get(k, 0)) for k, v in a.items()}
-        out["step_sizes"] = {k: v for k, v in sorted(sizes.items(), key=lambda kv: int(kv[0]))
-                             if v}
+    for hist in ("step_sizes", "step_gaps_ms"):  # histograms (a worker from before: none)
+        if hist in after:
+            b, a = before.get(hist) or {}, after[hist]
+            diff = {k: int(v) - int(b.get(k, 0)) for k, v in a.items()}
+            out[hist] = {k: v for k, v in sorted(diff.items(), key=lambda kv: int(kv[0])) if v}
     return out
 
 

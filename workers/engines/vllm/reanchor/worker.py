@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 scaled_weights.register()  # the engine core loads the model after importing this module
 
 ROPE_CLASSES = ("RotaryEmbedding",)  # plain RoPE; scaled variants change the angles
+GAP_BIN_MS, GAP_MAX_MS = 5, 200
+"""`step_gaps_ms`' bins: 5 ms wide, everything from 200 ms on in the last (idle time)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +204,9 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         than every window); `steps`, `step_requests`: engine steps that scheduled any
         request, and the requests they scheduled (their ratio: how well steps batch);
         `step_sizes`: those steps counted by how many requests each scheduled (a mean of
-        12.5 may be every step at 12 or 13, or steps of 20 and 5)."""
+        12.5 may be every step at 12 or 13, or steps of 20 and 5); `step_gaps_ms`: the time
+        from one such step's start to the next's, in 5 ms bins (two steps per 80 ms cycle
+        at 40 and 40, or at 10 and 70)."""
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
                 "deferred": dict(self._bc_failures()),
@@ -210,6 +214,7 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                 "steps": self._bc_counts()["steps"],
                 "step_requests": self._bc_counts()["step_requests"],
                 "step_sizes": {str(k): v for k, v in sorted(self._bc_sizes().items())},
+                "step_gaps_ms": {str(k): v for k, v in sorted(self._bc_gaps().items())},
                 "requests_ended": ROTATION_FAILURES.ended,
                 "preempted_ended": ROTATION_FAILURES.preempted_ended,
                 "shift_by_request": dict(self._bc_shifts()),
@@ -232,6 +237,13 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         if not hasattr(self, "_bc_size_counter"):
             self._bc_size_counter: Counter[int] = Counter()
         return self._bc_size_counter
+
+    def _bc_gaps(self) -> Counter[int]:
+        if not hasattr(self, "_bc_gap_counter"):
+            self._bc_gap_counter: Counter[int] = Counter()
+        return self._bc_gap_counter
+
+    _bc_last_step = 0.0
 
     def _bc_failures(self) -> Counter[str]:
         if not hasattr(self, "_bc_failure_counter"):
@@ -313,6 +325,11 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
             counts["steps"] += 1
             counts["step_requests"] += scheduled
             self._bc_sizes()[scheduled] += 1
+            now = time.monotonic()
+            if self._bc_last_step:
+                self._bc_gaps()[min(GAP_MAX_MS, int((now - self._bc_last_step) * 1000)
+                                    // GAP_BIN_MS * GAP_BIN_MS)] += 1
+            self._bc_last_step = now
         try:
             self._bc_apply(scheduler_output)
         except Exception:  # never kill the engine core over bookkeeping
