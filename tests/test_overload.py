@@ -13,9 +13,11 @@ room of every final (each of its sessions shed before its first). Four times it 
 
 Even so, how far behind four times gets in a fixed time is not the same on every host: CI's
 ran 16 rooms only 13.9 s behind in 75 s, short of a 20 s policy, and shed nothing. So the
-actor sheds at 10 s (`SessionPolicy.shed_after_s`; production's default is 20), and the load
-is held for at least `LOAD_S` and then until a room has shed, up to `LOAD_MAX_S`: a host
-that is still not that far behind by then fails the test as "not overloaded". What must hold:
+actor sheds at 14 s (`SessionPolicy.shed_after_s`; production's default is 20; above the
+10 s at which a stream counts as behind, `LAG_BEHIND_S`, so the count is seen before the
+shed), and the load is held for at least `LOAD_S` and then until a room has shed, up to
+`LOAD_MAX_S`: a host that is still not that far behind by then fails the test as "not
+overloaded". What must hold:
 - no final with empty text or with audio times outside the stream (`start < end`);
 - every stretch of each room's audio is either captioned (a final covers it) or reported
   as a `gap` event with its seconds; nothing is dropped without one (`queue_full` 0);
@@ -39,6 +41,7 @@ import ray
 from bench.rollover import talk
 from orchestrator.ray_actors import AsrActor
 from workers.asr import AsrHostOptions
+from workers.asr.host import LAG_BEHIND_S
 from workers.bus import RedisBus, caption_from_json, captions_key
 from workers.engines.calibrate import measure
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
@@ -53,7 +56,7 @@ MIN_ROOMS, MAX_ROOMS = 6, 64
 LOAD_S = 75.0
 LOAD_MAX_S = 135.0
 AFTER_S = 40.0
-SHED_S = 10.0
+SHED_S = 14.0
 CHUNK = SAMPLE_RATE // 10
 
 
@@ -105,7 +108,9 @@ def test_rooms_for_scales_with_the_host() -> None:
 async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catches_up(
     local_ray: None, bus: RedisBus, redis_url: str
 ) -> None:
-    options = EmbeddedEngineOptions(model="tiny.en", cpu_threads=2)
+    # One decode thread of one core: the overload is this actor's, and the suite's other
+    # worker keeps the other core (with two, its timed tests ran beside a saturated host).
+    options = EmbeddedEngineOptions(model="tiny.en", cpu_threads=1)
     engine = EmbeddedWhisperEngine(options)
     await engine.start()
     try:
@@ -215,7 +220,7 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
     assert sum(gaps.values()) > 0, (
         f"nothing shed in {LOAD_MAX_S:.0f} s (worst lag {worst:.1f} s, policy {SHED_S} s): "
         f"not overloaded, the test proves nothing")
-    assert worst > SHED_S / 2, f"shed, but no room's status showed it behind ({worst:.1f} s)"
+    assert worst > LAG_BEHIND_S, f"shed, but no room's status showed it behind ({worst:.1f} s)"
     assert max(behind_counts) >= 1
     # The load dropped: the rooms left caught up.
     assert all(v < 5.0 for v in end_lags.values()), end_lags
