@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,9 +65,11 @@ class Gateway:
         return pids
 
 
-def metric_folders() -> set[Path]:
-    """The gateway workers' private metric socket folders (metrics_merge.WorkerGroup)."""
-    return set(Path(tempfile.gettempdir()).glob("babelcast-gw-*"))
+def metric_folders(under: Path) -> set[Path]:
+    """The gateway workers' private metric socket folders (metrics_merge.WorkerGroup)
+    under the temporary folder `under`: the gateway under test is given a private one
+    (TMPDIR), since the suite's other worker starts gateways of its own in /tmp."""
+    return set(under.glob("babelcast-gw-*"))
 
 
 def _stacks(pid: int) -> str:
@@ -85,7 +88,10 @@ def _stacks(pid: int) -> str:
 
 @pytest.fixture
 def gateway(redis_url: str, tmp_path: Path) -> Iterator[Gateway]:
-    folders_before = metric_folders()
+    # Short: a Unix socket path holds at most 107 bytes (WorkerGroup.create falls back
+    # to /tmp when TMPDIR is longer than 60).
+    tmp = Path(tempfile.mkdtemp(prefix="bcgw-", dir="/tmp"))
+    folders_before = metric_folders(tmp)
     port = free_port()
     cfg = tmp_path / "event.yaml"
     cfg.write_text(f"""
@@ -105,7 +111,7 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
             [sys.executable, "-m", "orchestrator.cli", "gateway", str(cfg)], stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "T_ADMIN": ADMIN, "T_PUBLISH": PUBLISH,
-                 "PYTHONUNBUFFERED": "1"})
+                 "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
     gw = Gateway(proc, f"http://127.0.0.1:{port}", log)
     deadline = time.monotonic() + 60
     # `print`ed once worker 0 listens and every other worker said it is ready.
@@ -114,7 +120,7 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
             proc.kill()
             pytest.fail(f"babelcast gateway did not start: {log.read_text()[-3000:]}")
         time.sleep(0.1)
-    new = metric_folders() - folders_before
+    new = metric_folders(tmp) - folders_before
     assert len(new) == 1, new
     (gw.folder,) = new
     try:
@@ -133,7 +139,8 @@ gateway: {{host: 127.0.0.1, port: {port}, workers: 2}}
         assert not [p for p in workers if Path(f"/proc/{p}").exists()
                     and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]], \
             "a gateway worker outlived its parent"
-        assert metric_folders() <= folders_before, "the metric socket folder was left"
+        assert metric_folders(tmp) <= folders_before, "the metric socket folder was left"
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -128,11 +129,16 @@ streams:
 gateway: {{host: 127.0.0.1, port: {port}}}
 """)
     runtime = tmp_path / "run"
-    env = {**os.environ, "BABELCAST_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1"}
+    # A private temporary folder for the gateway's socket folder (the suite's other
+    # worker starts gateways of its own in /tmp); Ray's stays where it always is. Short:
+    # a Unix socket path holds at most 107 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="bclc-", dir="/tmp"))
+    env = {**os.environ, "BABELCAST_RUNTIME_DIR": str(runtime), "PYTHONUNBUFFERED": "1",
+           "TMPDIR": str(tmp), "RAY_TMPDIR": os.environ.get("RAY_TMPDIR", "/tmp")}
     env.pop("BABELCAST_TOKEN", None)
 
     def metric_folders() -> set[Path]:  # orchestrator.gateway.metrics_merge.WorkerGroup
-        return set(Path(tempfile.gettempdir()).glob("babelcast-gw-*"))
+        return set(tmp.glob("babelcast-gw-*"))
 
     folders = metric_folders()
     proc = start(cfg, port, env)
@@ -199,3 +205,4 @@ gateway: {{host: 127.0.0.1, port: {port}}}
         again.send_signal(signal.SIGINT)
         again.wait(60)
     assert not list(runtime.glob("gateway-*.json")), "a clean stop removes the tokens file"
+    shutil.rmtree(tmp, ignore_errors=True)
