@@ -30,6 +30,10 @@ What it does:
   runs before the last of 2026-12-04 did), for `--warm` + `--seconds`, the phase
   cut short only to end by `--deadline-s` after start (then `phase_long_enough` is false
   and the level does not pass);
+- reads, per engine, the plugin worker's step counts over the window (stock has none):
+  `steps_per_s`, `requests_per_step` and its p10/p50/p90 (from `step_sizes`, the steps by
+  how many requests each carried), and `step_gaps_ms` (the time between steps, in 5 ms
+  bins) inside `reanchors_in_phase`: how the engine core batched the sessions' chunks;
 - judges each session by the rule and writes the stamped JSON (results.py) to `--out`
   and stdout.
 """
