@@ -9,6 +9,7 @@
 #                                                   # negative controls, 8 hours (reanchor_exact.json)
 #   bash .stage/extra/run_gpu.sh bench              # bench.voxtral_age
 #   CONFIG=… N=… EXTRA=… TAG=… bash .stage/extra/run_gpu.sh strict   # bench.capacity.strict
+#   … CONFIG_B=… N_B=… EXTRA_B=… TAG_B=… run_gpu.sh strict2   # two levels, one per GPU (x2 kind)
 #   LADDER="32 48 72 96 128" CONFIGS="stock project-direct project-direct-x2" \
 #     bash .stage/extra/run_gpu.sh capacity         # bench.voxtral_capacity --find-knee
 #   (EXTRA="--production --share-front-end …" adds flags; "--profile-dir $OUT/prof
@@ -109,6 +110,33 @@ strict)  # bench.capacity.strict: one level of one configuration, the keep-up ru
     > /dev/null 2> "$OUT/${TAG:-strict}.log"; echo rc=$?
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('sessions','front_ends')]; print(json.dumps(d)[:6000])" "$OUT/${TAG:-strict}.json"
   grep -E "Error|Traceback|engines_started" "$OUT/${TAG:-strict}.log" | tail -8; tail -c 1500 "$OUT/${TAG:-strict}.log"
+  ;;
+strict2)  # two strict levels side by side on a 2-GPU host (nvidia-h200-x2): one per GPU,
+  # each on half the host's physical cores (16 of 32 CPUs, as the one-GPU kind has), e.g. a project level
+  # beside stock for the ratio in one run:
+  # MPS=1 CONFIG=project-direct-x3+melspec+tokens+keys N=90 CONFIG_B=stock-x3 N_B=60 \
+  #   EXTRA="--production --age-min 12 ..." EXTRA_B="--seconds 300 ..." run_gpu.sh strict2
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { echo "strict2 needs two GPUs"; exit 2; }
+  # the usable CPUs in two halves of whole physical cores (hyperthread siblings together)
+  read -r cpus_a cpus_b < <(python3 -c "
+import os; from bench.capacity.host import cpu_groups
+g = cpu_groups(os.sched_getaffinity(0)); h = len(g) // 2
+print(*(','.join(str(c) for grp in part for c in grp) for part in (g[:h], g[h:])))")
+  echo "GPU 0 on CPUs $cpus_a; GPU 1 on CPUs $cpus_b"
+  TAG_A=${TAG:-strict_a}; TAG_B=${TAG_B:-strict_b}
+  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-585} taskset -c "$cpus_a" python3 -m bench.capacity.strict \
+    --model /tmp/voxtral --config "$CONFIG" --streams "$N" --deadline-s "${DEADLINE:-540}" \
+    ${EXTRA:-} --out "$OUT/$TAG_A.json" > /dev/null 2> "$OUT/$TAG_A.log" &
+  a=$!
+  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-585} taskset -c "$cpus_b" python3 -m bench.capacity.strict \
+    --model /tmp/voxtral --config "${CONFIG_B:-$CONFIG}" --streams "${N_B:-$N}" --deadline-s "${DEADLINE:-540}" \
+    ${EXTRA_B:-${EXTRA:-}} --out "$OUT/$TAG_B.json" > /dev/null 2> "$OUT/$TAG_B.log" &
+  b=$!
+  wait $a; echo "gpu0 rc=$?"; wait $b; echo "gpu1 rc=$?"
+  for t in "$TAG_A" "$TAG_B"; do
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('sessions','front_ends')]; print(json.dumps(d)[:4000])" "$OUT/$t.json"
+    grep -E "Error|Traceback" "$OUT/$t.log" | tail -5
+  done
   ;;
 failover)  # bench.failover (issue 35) on the device host's CPU: no GPU in it
   bash scripts/h200_cpu_wheels.sh install >> "$OUT/install.log" 2>&1 || { echo "cpu engine wheels failed"; tail -5 "$OUT/install.log"; exit 1; }

@@ -560,6 +560,21 @@ def test_the_host_fingerprint_counts_physical_cores() -> None:
     assert 1 <= topo["physical_cores"] <= topo["usable_cpus"]
 
 
+def test_a_bench_given_one_gpu_asks_nvidia_smi_about_that_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two levels side by side on a 2-GPU host (`scripts/h200.sh strict2`), one per GPU:
+    nvidia-smi ignores CUDA_VISIBLE_DEVICES, so without `-i` the second level would read
+    the first GPU's busy share."""
+    from bench.capacity.host import gpu_select
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu_select() == ["-i", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert gpu_select() == []  # several: the bench reads the first, as before
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_select() == []
+
+
 async def test_an_aged_ab_phase_keeps_its_gpu_samples_paired_with_their_stamps(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The first aged A/B on the H200 lost its whole phase to "zip() argument 2 is longer

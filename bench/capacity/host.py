@@ -26,11 +26,21 @@ def host_fingerprint() -> dict[str, Any]:
                 break
     gpu = ""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+        gpu = subprocess.run(["nvidia-smi", *gpu_select(), "--query-gpu=name,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
     return {"cpu": model, "cores": os.cpu_count(), **cpu_topology(), "gpu": gpu,
+            **({"cuda_visible_devices": os.environ["CUDA_VISIBLE_DEVICES"]}
+               if gpu_select() else {}),
             "mps": mps_servers()}
+
+
+def gpu_select() -> list[str]:
+    """nvidia-smi's `-i N` for the one GPU `CUDA_VISIBLE_DEVICES` gives this bench (two
+    levels side by side on a 2-GPU host, one per GPU); nvidia-smi itself ignores that
+    variable and would report every GPU, the first one first."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return ["-i", visible] if visible.isdigit() else []
 
 
 def cpu_topology() -> dict[str, Any]:
@@ -58,7 +68,7 @@ async def _gpu_util(stop: asyncio.Event, out: list[float],
     while not stop.is_set():
         try:
             res = await asyncio.to_thread(
-                subprocess.run, ["nvidia-smi", "--query-gpu=utilization.gpu",
+                subprocess.run, ["nvidia-smi", *gpu_select(), "--query-gpu=utilization.gpu",
                                  "--format=csv,noheader,nounits"],
                 capture_output=True, text=True, timeout=5)
             out.append(float(res.stdout.split()[0]))
