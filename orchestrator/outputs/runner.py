@@ -23,6 +23,7 @@ from orchestrator import metrics
 from orchestrator.outputs.archive import ArchiveError, ArchiveWriter
 from orchestrator.outputs.cues import as_note
 from orchestrator.outputs.youtube import YoutubeCaptionSink, YoutubeOptions
+from workers.aio import wait_for
 from workers.bus import RedisBus, caption_from_json, captions_key
 from workers.captions.linebreak import WEB, LineProfile
 from workers.events import CaptionSegment
@@ -233,7 +234,7 @@ class OutputsRunner:
             # The caption being written as the drain ended is finished, not cut off
             # (`_dispatch` counts a caption as handled as it starts writing it).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dispatching.acquire(), drain_s)
+                await wait_for(self._dispatching.acquire(), drain_s)
                 held = True
         if self._task is not None:
             self._task.cancel()
