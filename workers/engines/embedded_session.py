@@ -58,6 +58,14 @@ FINAL_READ_MAX = 28 * SAMPLE_RATE
 frames of padding the engine's `_decode_sync` adds after the audio, with a margin."""
 SAID_KEEP = 224
 """Committed words a session remembers for prompts (Whisper's prompt holds 224 tokens)."""
+CONTEXT_GAP_MAX_S = 2.0
+"""`final_context_s` reads the audio before an utterance only when the words committed
+before it end at most this long before the utterance's buffer begins: the context is for
+speech that goes on across a pause. Across a longer silence it tells Whisper nothing and
+can end the transcript there: on 2026-12-05 (bench.peer, held-out speech, part_edge_s 1.0)
+a read of two words, 4 s of silence and a 20 s utterance came back as the two words, and
+the utterance was lost (24 % WER). And a pass with context that hears no word of the
+utterance itself is decoded again without it (`context_retries`)."""
 
 
 class SessionHost(Protocol):
@@ -89,6 +97,8 @@ class _EarlyFinal:
     end: int
     buf_pos: int
     ctx: int
+    start: int
+    """Where it began reading: before `buf_pos` when it read context."""
 
 
 class EmbeddedWhisperSession(RecognizeSession):
@@ -99,6 +109,9 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._vad: VoiceActivity | None = None  # made only for audio that comes without flags
         self.own_vad_frames = 0
         """Frames this session ran through its own Silero (0 behind a session manager)."""
+        self.context_retries = 0
+        """Final passes read with context that heard no word of their utterance, decoded
+        again without it (`CONTEXT_GAP_MAX_S`)."""
         # Audio (or the flags that came with it) not yet through voice activity, with the
         # stream position where it ends.
         self._vad_pending: list[tuple[np.ndarray | tuple[bool, ...], int]] = []
@@ -389,22 +402,36 @@ class EmbeddedWhisperSession(RecognizeSession):
         most of the time (and held the interims back: seen in lock step)."""
         return self._part_due is not None and self._buf_end_s >= self._part_due
 
-    async def _final_decode(self, end: int | None) -> list[Word]:
+    async def _final_decode(self, end: int | None, *, context: bool = True) -> list[Word]:
         """The final pass: the whole utterance up to `end`, with `final_context_s` of the
         audio before it and a prompt of `final_prompt_words` said before that. (Adding a
         few seconds of audio before it without a prompt made Whisper base invent a
         sentence at the seam: 18 % WER on the reference set instead of 2.8 %, measured.)"""
-        start, prompt = self._final_read(end)
+        start, prompt = self._final_read(end, context=context)
         words, _ = await self._decode(start, self.engine.final_beam(), end, final=True,
                                       prompt=prompt)
+        if start < self._buf_pos and not self._of_utterance(words):
+            return await self._final_decode(end, context=False)
         return words
 
-    def _final_read(self, end: int | None) -> tuple[int, str | None]:
+    def _of_utterance(self, words: list[Word]) -> bool:
+        """Whether a pass that read context heard any word of the utterance itself (if
+        not, Whisper ended its transcript inside the context: `CONTEXT_GAP_MAX_S`)."""
+        if any(w.start_s >= self._buf_pos / SAMPLE_RATE for w in words):
+            return True
+        self.context_retries += 1
+        return False
+
+    def _final_read(self, end: int | None, *, context: bool = True) -> tuple[int, str | None]:
         """Where a final pass up to `end` starts reading (with its context), and its prompt."""
         # Context only while the whole read fits Whisper's one 30 s window (past it,
-        # faster-whisper decodes two windows and seams them itself).
+        # faster-whisper decodes two windows and seams them itself), and only for speech
+        # that goes on across a pause (`CONTEXT_GAP_MAX_S`).
         utterance = (self._buf.size if end is None else end - self._buf_pos)
         room = max(0, FINAL_READ_MAX - utterance)
+        gap_s = self._buf_pos / SAMPLE_RATE - self._final.last_committed_end
+        if not context or gap_s > CONTEXT_GAP_MAX_S:
+            room = 0
         start = self._buf_pos - min(self._ctx.size, self._ctx_max, room)
         return start, self._prompt(start / SAMPLE_RATE)
 
@@ -417,7 +444,8 @@ class EmbeddedWhisperSession(RecognizeSession):
             audio, start / SAMPLE_RATE, self._language, self.engine.final_beam(), True, prompt))
         self._decoding.add(task)
         task.add_done_callback(self._early_done)
-        self._early = _EarlyFinal(task, start + audio.size, self._buf_pos, self._ctx.size)
+        self._early = _EarlyFinal(task, start + audio.size, self._buf_pos, self._ctx.size,
+                                  start)
 
     def _early_done(self, task: asyncio.Task[tuple[list[Word], list[float], str | None]]
                     ) -> None:
@@ -444,6 +472,10 @@ class EmbeddedWhisperSession(RecognizeSession):
             return None
         words, _, lang = await early.task
         self._decoded(early.end, lang)
+        if early.start < early.buf_pos and not self._of_utterance(words):
+            self.engine.early_final(used=False)
+            end = max(self._buf_pos, min(upto, self._buf_pos + self._buf.size))
+            return await self._final_decode(end, context=False)
         self.engine.early_final(used=True)
         return words
 
