@@ -124,14 +124,13 @@ g = cpu_groups(os.sched_getaffinity(0)); h = len(g) // 2
 print(*(','.join(str(c) for grp in part for c in grp) for part in (g[:h], g[h:])))")
   echo "GPU 0 on CPUs $cpus_a; GPU 1 on CPUs $cpus_b"
   TAG_A=${TAG:-strict_a}; TAG_B=${TAG_B:-strict_b}
-  CUDA_VISIBLE_DEVICES=0 timeout ${LIMIT:-585} taskset -c "$cpus_a" python3 -m bench.capacity.strict \
-    --model /tmp/voxtral --config "$CONFIG" --streams "$N" --deadline-s "${DEADLINE:-540}" \
-    ${EXTRA:-} --out "$OUT/$TAG_A.json" > /dev/null 2> "$OUT/$TAG_A.log" &
-  a=$!
-  CUDA_VISIBLE_DEVICES=1 timeout ${LIMIT:-585} taskset -c "$cpus_b" python3 -m bench.capacity.strict \
-    --model /tmp/voxtral --config "${CONFIG_B:-$CONFIG}" --streams "${N_B:-$N}" --deadline-s "${DEADLINE:-540}" \
-    ${EXTRA_B:-${EXTRA:-}} --out "$OUT/$TAG_B.json" > /dev/null 2> "$OUT/$TAG_B.log" &
-  b=$!
+  level() {  # GPU CPUS CONFIG STREAMS EXTRA TAG: one level on one GPU and its CPUs
+    CUDA_VISIBLE_DEVICES=$1 timeout ${LIMIT:-585} taskset -c "$2" python3 -m bench.capacity.strict \
+      --model /tmp/voxtral --config "$3" --streams "$4" --deadline-s "${DEADLINE:-540}" \
+      $5 --out "$OUT/$6.json" > /dev/null 2> "$OUT/$6.log"
+  }
+  level 0 "$cpus_a" "$CONFIG" "$N" "${EXTRA:-}" "$TAG_A" & a=$!
+  level 1 "$cpus_b" "${CONFIG_B:-$CONFIG}" "${N_B:-$N}" "${EXTRA_B:-${EXTRA:-}}" "$TAG_B" & b=$!
   wait $a; echo "gpu0 rc=$?"; wait $b; echo "gpu1 rc=$?"
   for t in "$TAG_A" "$TAG_B"; do
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [d.pop(k) for k in ('sessions','front_ends')]; print(json.dumps(d)[:4000])" "$OUT/$t.json"

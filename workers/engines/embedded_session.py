@@ -460,9 +460,11 @@ class EmbeddedWhisperSession(RecognizeSession):
             self._early = None
             self.engine.early_final(used=False)
 
-    async def _take_early(self, upto: int | None) -> list[Word] | None:
+    async def _take_early(self, upto: int | None, end: int) -> list[Word] | None:
         """The early final pass's words, if it read this utterance up to `upto` whole:
-        the same buffer, and nothing after its end but the pause (speech drops it)."""
+        the same buffer, and nothing after its end but the pause (speech drops it). One
+        that read context and heard none of the utterance is replaced by a pass up to
+        `end` (the utterance's end in the buffer) without context."""
         early, self._early = self._early, None
         if early is None:
             return None
@@ -474,7 +476,6 @@ class EmbeddedWhisperSession(RecognizeSession):
         self._decoded(early.end, lang)
         if early.start < early.buf_pos and not self._of_utterance(words):
             self.engine.early_final(used=False)
-            end = max(self._buf_pos, min(upto, self._buf_pos + self._buf.size))
             return await self._final_decode(end, context=False)
         self.engine.early_final(used=True)
         return words
@@ -523,7 +524,7 @@ class EmbeddedWhisperSession(RecognizeSession):
         buf_end = self._buf_pos + self._buf.size
         end = buf_end if upto is None else max(self._buf_pos, min(upto, buf_end))
         committed: list[Word] = []
-        early = await self._take_early(upto)
+        early = await self._take_early(upto, end)
         if self._had_speech and end > self._buf_pos:
             words = early if early is not None else await self._final_decode(end)
             committed = self._final.commit_all(words)
