@@ -33,6 +33,15 @@ def unpicklable() -> object:
     return threading.Lock()
 
 
+class NeedsTwo(Exception):
+    def __init__(self, a: str, b: str) -> None:  # pickles, but cannot be rebuilt
+        super().__init__(f"{a} {b}")
+
+
+def fails_oddly() -> None:
+    raise NeedsTwo("x", "y")
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,6 +61,8 @@ async def test_a_failing_call_raises_in_the_caller_and_the_helper_serves_on() ->
             await service.call(0, fails, "on purpose")
         with pytest.raises(RuntimeError, match="could not be sent back"):
             await service.call(0, unpicklable)
+        with pytest.raises(RuntimeError, match="could not be read here"):
+            await service.call(0, fails_oddly)
         assert await service.call(0, os.getpid) == pid  # the same process, still serving
         assert service.restarts == 0
     finally:

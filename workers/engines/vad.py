@@ -224,13 +224,17 @@ class _Helper(asyncio.Protocol):
             (n,) = struct.unpack_from("!i", buf)
             if len(buf) < 4 + n:
                 break
-            answers = pickle.loads(bytes(buf[4 : 4 + n]))
+            answers = pickle.loads(bytes(buf[4 : 4 + n]))  # (id, bytes) pairs: plain
             del buf[: 4 + n]
             for rid, blob in answers:
                 fut = self._pending.pop(rid, None)
                 if fut is None or fut.done():
                     continue
-                ok, value = pickle.loads(blob)
+                try:
+                    ok, value = pickle.loads(blob)
+                except Exception as exc:  # e.g. an exception class that cannot be rebuilt
+                    ok, value = False, RuntimeError(
+                        f"VAD helper: its answer could not be read here: {exc}")
                 if ok:
                     fut.set_result(value)
                 else:
@@ -244,7 +248,8 @@ class _Helper(asyncio.Protocol):
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(HelperGone(why))
+                with contextlib.suppress(RuntimeError):  # its loop closed already
+                    fut.set_exception(HelperGone(why))
 
     def send(self, rid: int, fn: Callable[..., Any], args: tuple[Any, ...]
              ) -> asyncio.Future[Any] | None:
@@ -273,7 +278,8 @@ class _Helper(asyncio.Protocol):
     def close(self) -> None:
         self._fail("the VAD service shut down")
         self._batch = []
-        self.connected.cancel()
+        with contextlib.suppress(RuntimeError):  # its loop closed already
+            self.connected.cancel()
         if self._transport is not None:
             with contextlib.suppress(Exception):
                 self._transport.close()
@@ -317,6 +323,7 @@ class VadService:
                 if helper.gone and helper.loop is loop:
                     self.restarts += 1
                 helper.close()
+                self._helpers[shard] = None
             helper = self._helpers[shard] = _Helper(loop)
         await asyncio.shield(helper.connected)
         return helper
