@@ -153,10 +153,16 @@ def test_realtime_answers_every_event_with_a_protocol_error_or_takes_it(
 _conn: dict[str, ClientConnection] = {}
 
 
+def _open(url: str) -> ClientConnection:
+    """A connection kept across hypothesis examples (closed by the test that ends it):
+    entered as its context, which websockets 17.1+ expects of a sync client."""
+    return connect(url, additional_headers=AUTH).__enter__()
+
+
 def _realtime(gateway: GatewayThread) -> ClientConnection:
     ws = _conn.get("rt")
     if ws is None:
-        ws = connect(f"{ws_base(gateway)}/v1/realtime?stream=hall", additional_headers=AUTH)
+        ws = _open(f"{ws_base(gateway)}/v1/realtime?stream=hall")
         assert recv_json(ws)["type"] == "session.created"
         _conn["rt"] = ws
     return ws
@@ -178,7 +184,7 @@ def test_push_answers_every_bad_frame_and_takes_every_good_one(
         if rt is not None:
             rt.close()
         for _ in range(100):
-            ws = connect(f"{ws_base(gateway)}/v1/streams/hall/audio", additional_headers=AUTH)
+            ws = _open(f"{ws_base(gateway)}/v1/streams/hall/audio")
             try:
                 early = json.loads(ws.recv(timeout=0.2))
             except TimeoutError:
