@@ -24,6 +24,7 @@ utterance of each).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from itertools import islice
@@ -138,7 +139,9 @@ class RutWatchdog:
         settled = rate * p.window_s + 1 if self._ordered else float("inf")
         walk = reversed(frames)
         if self._ordered and horizon < newest:
-            walk = islice(walk, len(frames) - self._heard_frames(horizon), None)
+            # the frames that end past `heard` are the newest ones (ends ascend)
+            heard_frames = bisect_right(frames, horizon, key=lambda f: f[0] + f[1])
+            walk = islice(walk, len(frames) - heard_frames, None)
         speech = 0
         chars = 0
         texts = reversed(self._text)
@@ -159,15 +162,3 @@ class RutWatchdog:
                 return False
         return False
 
-    def _heard_frames(self, horizon: int) -> int:
-        """How many of the (ordered) frames end at or before `horizon`."""
-        frames = self._speech
-        lo, hi = 0, len(frames)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            pos, samples = frames[mid]
-            if pos + samples <= horizon:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
