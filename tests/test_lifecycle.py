@@ -27,6 +27,7 @@ import pytest
 from orchestrator.config import GatewayConfig
 from orchestrator.redis_server import free_port
 from tests.speech import AUDIO
+from tests.waiting import alive
 
 pytestmark = pytest.mark.integration
 
@@ -48,14 +49,6 @@ def descendants(root: int) -> set[int]:
                 tree.add(pid)
                 changed = True
     return tree - {root}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cmdline(pid: int) -> bytes:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.speech import AUDIO, decode_pcm16
+from tests.waiting import alive
 from workers.engines.vad import HelperGone, InlineVad, VadService
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]  # a lost EOF hangs: fail fast
@@ -40,17 +41,6 @@ class NeedsTwo(Exception):
 
 def fails_oddly() -> None:
     raise NeedsTwo("x", "y")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (not yet reaped) is dead for this purpose
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_a_failing_call_raises_in_the_caller_and_the_helper_serves_on() -> None:

@@ -1,4 +1,5 @@
-"""Waiting on state that has no change event to await (Redis hashes and streams)."""
+"""Waiting on state that has no change event to await (Redis hashes and streams, whether a
+process is still alive)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,12 @@ async def eventually(
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(every_s)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs: a zombie (ended, not yet reaped) counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
