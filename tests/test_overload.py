@@ -17,7 +17,11 @@ actor sheds at 14 s (`SessionPolicy.shed_after_s`; production's default is 20; a
 10 s at which a stream counts as behind, `LAG_BEHIND_S`, so the count is seen before the
 shed), and the load is held for at least `LOAD_S` and then until a room has shed, up to
 `LOAD_MAX_S`: a host that is still not that far behind by then fails the test as "not
-overloaded". What must hold:
+overloaded". How fast the lag grows depends on what else the host runs: a fresh clone's
+suite on a busy host fed 15 rooms and reached only 12.4 s in 135 s (~0.09 s a second: the
+thread was over its load by a few per cent, not four times), so `LOAD_MAX_S` is 240 s;
+where the lag grows as the calibration says, a room sheds by ~75-100 s and the rest of
+that time is never spent. What must hold:
 - no final with empty text or with audio times outside the stream (`start < end`);
 - every stretch of each room's audio is either captioned (a final covers it) or reported
   as a `gap` event with its seconds; nothing is dropped without one (`queue_full` 0);
@@ -54,7 +58,7 @@ OVERLOAD = 4.0
 """Rooms fed, as a multiple of those the decode thread could carry at 100 % busy."""
 MIN_ROOMS, MAX_ROOMS = 6, 64
 LOAD_S = 75.0
-LOAD_MAX_S = 135.0
+LOAD_MAX_S = 240.0
 AFTER_S = 40.0
 SHED_S = 14.0
 CHUNK = SAMPLE_RATE // 10
@@ -123,7 +127,7 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
     stay = rooms[:2]  # fed on after the load drops
     print(f"overload: one stream busies the decode thread {busy:.3f}; "
           f"feeding {len(rooms)} rooms")
-    pcm, _ = talk((LOAD_MAX_S + AFTER_S) / 60 + 0.2)
+    pcm, _ = talk((LOAD_MAX_S + AFTER_S) / 60 + 0.5)  # talk() rounds to whole repeats
     actor = ray.remote(num_cpus=0)(AsrActor).remote(
         AsrHostOptions(actor_id="asr-0", redis_url=redis_url, max_streams=len(rooms),
                        read_block_ms=100, session_policy=SessionPolicy(shed_after_s=SHED_S)),
