@@ -164,21 +164,26 @@ def component_cpu(run_pid: int, redis_pid: int | None) -> dict[str, float]:
 
 
 def _latencies(received: list[tuple[float, dict[str, Any]]], sent: SendLog
-               ) -> tuple[list[float], list[float], list[str]]:
-    """(partial latencies, final latencies, final texts) of one caption socket."""
+               ) -> tuple[list[float], list[float], list[str], dict[str, int]]:
+    """(partial latencies, final latencies, final texts, captions whose audio ends in the
+    silence after the talk: {"partials": n, "finals": n}) of one caption socket."""
     partial: list[float] = []
     final: list[float] = []
     texts: list[str] = []
+    after = {"partials": 0, "finals": 0}
     for recv_t, msg in received:
         if msg.get("type") != "caption" or not msg["text"]:
             continue
-        latency = recv_t - sent.wall_of(float(msg["audio_end_s"]))
+        end_s = float(msg["audio_end_s"])
+        latency = recv_t - sent.wall_of(end_s)
+        if sent.past_end(end_s):
+            after["finals" if msg["is_final"] else "partials"] += 1
         if msg["is_final"]:
             final.append(latency)
             texts.append(msg["text"])
         else:
             partial.append(latency)
-    return partial, final, texts
+    return partial, final, texts, after
 
 
 async def _actors_ready(redis: Any, timeout_s: float) -> list[str]:
@@ -277,10 +282,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         final: list[float] = []
         finals_per_stream: dict[str, int] = {}
         hyps: list[str] = []
+        after_audio = {"partials": 0, "finals": 0}
         for s in ids:
-            p, f, texts = _latencies(received[(s, lang)], legs[(s, lang)].sent)
+            p, f, texts, after = _latencies(received[(s, lang)], legs[(s, lang)].sent)
             partial += p
             final += f
+            for k in after_audio:
+                after_audio[k] += after[k]
             finals_per_stream[s] = len(f)
             hyps.append(normalize(" ".join(texts)))
         row: dict[str, Any] = {
@@ -293,6 +301,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "finals": len(final),
             "finals_per_stream": finals_per_stream,
             "open_at_end": sum(1 for s in ids if legs[(s, lang)].open_text.strip()),
+            # Captions of the silence after the talk (in the latencies above, timed from
+            # when that silence was sent): with real weights few, with random ones many.
+            "partials_after_audio": after_audio["partials"],
+            "finals_after_audio": after_audio["finals"],
         }
         if lang == SOURCE_LANG:
             refs = [normalize(audio[s][1]) for s in ids]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.product import COMPONENTS, loop_talk, stream_audio
+from bench.playback import SendLog
+from bench.product import COMPONENTS, _latencies, loop_talk, stream_audio
 from workers.events import SAMPLE_RATE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +38,38 @@ def test_staggered_streams_keep_only_whole_utterances_and_their_text() -> None:
         assert speech_s == pytest.approx(sum(p.end - p.start for p in kept) / SAMPLE_RATE)
         texts.append(text)
     assert texts[0] != texts[1]  # started at different places in the talk
+
+
+def sent_at_wall_pace(seconds: int, t0: float = 1000.0) -> SendLog:
+    """A SendLog of `seconds` of audio sent in 80 ms chunks at wall pace from `t0`."""
+    log = SendLog()
+    chunk = SAMPLE_RATE * 8 // 100
+    for end in range(chunk, seconds * SAMPLE_RATE + 1, chunk):
+        log.add(end, t0 + end / SAMPLE_RATE)
+    return log
+
+
+@pytest.mark.unit
+def test_a_caption_of_the_silence_after_the_talk_is_timed_from_when_that_silence_went() -> None:
+    # 10 s of talk, then the sender goes on with silence at wall pace (keep_live): a
+    # caption whose audio ends 12 s into the stream, received 0.5 s after that sample was
+    # sent, is 0.5 s late, not 2.5 s (the last chunk of the talk left at 1010.0).
+    log = sent_at_wall_pace(10)
+    assert log.wall_of(4.0) == pytest.approx(1004.0)  # inside the talk: its chunk
+    assert log.wall_of(12.0) == pytest.approx(1012.0)
+    assert not log.past_end(10.0) and log.past_end(12.0)
+    received = [
+        (1004.3, {"type": "caption", "text": "a", "is_final": False, "audio_end_s": 4.0}),
+        (1012.5, {"type": "caption", "text": "b", "is_final": False, "audio_end_s": 12.0}),
+        (1013.0, {"type": "caption", "text": "c", "is_final": True, "audio_end_s": 12.2}),
+        (1013.1, {"type": "caption", "text": "", "is_final": False, "audio_end_s": 13.0}),
+        (1013.2, {"type": "status"}),
+    ]
+    partial, final, texts, after = _latencies(received, log)
+    assert partial == pytest.approx([0.3, 0.5])
+    assert final == pytest.approx([0.8])
+    assert texts == ["c"]
+    assert after == {"partials": 1, "finals": 1}  # empty captions do not count
 
 
 @pytest.mark.integration
@@ -68,7 +101,8 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     assert (src["lang"], fr["lang"]) == ("en", "fr")
     for row in (src, fr):
         for key in ("final_latency_p50_s", "final_latency_p95_s", "finals_per_stream",
-                    "open_at_end", "partials", "finals"):
+                    "open_at_end", "partials", "finals", "partials_after_audio",
+                    "finals_after_audio"):
             assert key in row, key
         # Finals arrived in both languages on both streams, in a real-time-ish delay.
         assert set(row["finals_per_stream"]) == {"room-0", "room-1"}
