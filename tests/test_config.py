@@ -431,6 +431,29 @@ def test_engines_sharing_a_gpu_split_its_memory(tmp_path: Path) -> None:
     assert "engines_per_gpu" in str(err.value)
 
 
+def test_a_fixed_kv_cache_reaches_the_engine_and_a_bad_one_names_its_line(
+        tmp_path: Path) -> None:
+    from orchestrator.actor_options import engine_options
+    from workers.engines.vllm.options import engine_kwargs
+
+    cfg = write(tmp_path, "event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n"
+                "    engines_per_gpu: 3\n    kv_cache_gib: 30\n"
+                "streams:\n  - {id: a, source: push}\n")
+    opts = engine_options(load_event(cfg))
+    assert opts.kv_cache_memory_bytes == 30 * 2**30  # type: ignore[union-attr]
+    # what vLLM is given, where it knows the argument (0.26 does)
+    assert engine_kwargs(opts, {"model", "kv_cache_memory_bytes"})[  # type: ignore[arg-type]
+        "kv_cache_memory_bytes"] == 30 * 2**30
+    cfg.write_text(cfg.read_text().replace("    kv_cache_gib: 30\n", ""))
+    assert engine_options(load_event(cfg)).kv_cache_memory_bytes is None  # type: ignore[union-attr]
+    cfg.write_text(cfg.read_text().replace("engines_per_gpu: 3\n",
+                                           "engines_per_gpu: 3\n    kv_cache_gib: 0\n"))
+    with pytest.raises(ConfigError) as err:
+        load_event(cfg)
+    (issue,) = err.value.errors
+    assert issue.file == str(cfg) and issue.line == 7 and "kv_cache_gib" in issue.key
+
+
 def test_a_cluster_needs_a_redis_every_node_reaches(tmp_path: Path) -> None:
     from orchestrator.runtime import ray_namespace
 

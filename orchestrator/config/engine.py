@@ -153,6 +153,17 @@ class VllmConfig(_Strict):
                     "with arrivals spread over the cycle kept 60 and 75 sessions aged 12 min "
                     "up by the strict rule with 80 (bench/results/capacity_h200, 2026-12-05); "
                     "without it at those arrivals: not measured")
+    kv_cache_gib: float | None = Field(
+        default=None, gt=0, le=1024, examples=[30],
+        description="each engine's KV cache, this many GiB (vLLM's kv_cache_memory_bytes), "
+                    "instead of what a memory profile at start leaves under its share of "
+                    "gpu_memory_utilization. Engines sharing a GPU then start side by side, "
+                    "since no profile can be skewed by another engine loading: three on the "
+                    "H200 started in 143 s at 30 GiB each, against 287 s one after another "
+                    "(bench/results/capacity_h200, 2026-12-03 and 2026-12-04), and an engine "
+                    "replaced after a fault need not wait for another's start. Weights, "
+                    "activations and CUDA graphs still need their own memory beside it: "
+                    "null (profile) unless the GPU's memory per engine is known")
     reanchor: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="keep sessions below max_model_len by re-anchoring their positions: auto "
