@@ -20,6 +20,7 @@ bench.playback.SendLog):
 - `source.partial_latency_*`, `source.final_latency_*`, `translated.final_latency_*`
   (p50/p95); `open_at_end` per language (streams whose last caption is still a partial
   after the drain); finals per stream; `wer` of the source finals (tests.speech.normalize);
+- `ready_s`: from `babelcast run` to every actor reported (engine loads included);
 - `cpu`: CPU seconds per component over the played window (first chunk to last chunk),
   and per second of stream audio: `gateway` (the `babelcast run` process: gateway worker 0,
   control plane, Ray driver), `gateway_workers`, `ingest`, `asr` (with its children, e.g.
@@ -230,8 +231,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             legs[(s, lang)].sent = legs[(s, SOURCE_LANG)].sent
     received: dict[tuple[str, str], list[tuple[float, dict[str, Any]]]] = {k: [] for k in legs}
     lines = event_lines(ids, args.engine, target, args.translation)
+    started = time.monotonic()
     async with babelcast_run(lines, tmp, ready_timeout_s=args.ready_timeout) as server:
         actor_ids = await _actors_ready(server.redis, args.ready_timeout)
+        ready_s = time.monotonic() - started  # `babelcast run` to every actor reported
         done = asyncio.Event()
         clients = [asyncio.create_task(_client(server.base, s, lang, legs[(s, lang)],
                                                received[(s, lang)], done))
@@ -320,6 +323,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "translate": target,
         "translation": yaml.safe_load(args.translation) if args.translation else None,
         "seconds_per_stream": args.seconds,
+        "ready_s": round(ready_s, 1),
         "speech_s_per_stream": [round(audio[s][2], 1) for s in ids],
         "played_wall_s": round(played_s, 2),
         "drain_s": round(drain_s, 1),

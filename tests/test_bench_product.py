@@ -86,7 +86,7 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     result = json.loads(done.stdout.strip().splitlines()[-1])
 
     for key in ("date", "commit", "command", "argv", "host", "vllm_version", "kind", "streams",
-                "engine", "translate", "seconds_per_stream", "speech_s_per_stream",
+                "engine", "translate", "seconds_per_stream", "ready_s", "speech_s_per_stream",
                 "played_wall_s", "drain_s", "source", "translated", "cpu_s",
                 "cpu_s_per_audio_s", "cpu_s_per_audio_s_total", "bench_client_cpu_s",
                 "session_counters", "actors", "load_avg"):
@@ -95,6 +95,7 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     assert result["engine"] == {"kind": "embedded", "model": "tiny.en", "actors": 1,
                                 "streams_per_actor": 2}
     assert result["host"]["cores"] and result["host"]["cpu"] is not None
+    assert 0 < result["ready_s"] < 120  # the ready timeout
     assert result["commit"]
 
     src, fr = result["source"], result["translated"]
