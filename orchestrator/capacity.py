@@ -101,6 +101,16 @@ VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR = 22
 ALIGNED_FEED_MS = 80
 """`engine.vllm.aligned_feed_ms` where the event leaves it out (the tick the budget above
 was measured with)."""
+SENTENCE_ENGINES = ("bergamot", "apertium")
+SENTENCE_PAIRS_PER_TRANSLATOR = 100
+"""Stream-target pairs to plan per translator actor where the embedded sentence engines
+translate them (each actor translates on one core). The first whole-product run with vLLM
+(bench/results/product, 2026-12-05, an H100's 16-core host) left its one translator
+(Bergamot en→pt) a minute behind at 45 pairs of random text written at 4.2 times the
+reference talk's 11.6 characters a second: ~2,200 characters a second, the text of ~190
+talks. On the 2-core box (a one-off check, 2026-12-05: the reference talk's sentences
+translated 8 times over, one at a time and in batches of 32) Bergamot took 3,800-4,700
+characters a CPU second and Apertium 7,600 in batches. 100 is about half the lowest."""
 
 
 def vllm_streams_per_actor(vllm: object) -> int:
@@ -168,6 +178,26 @@ def over_capacity(cfg: EventConfig) -> str | None:
             f"keeps in real time ({carries} per actor, {how}): captions may fall behind. "
             "Run actors on more hosts (ray.address, engine.actors), or set "
             "engine.streams_per_actor to take the load on purpose")
+
+
+def translation_over_capacity(cfg: EventConfig) -> str | None:
+    """A warning where the event has more stream-target pairs on the embedded sentence
+    engines than its translator actors are planned for (`SENTENCE_PAIRS_PER_TRANSLATOR`
+    each), else None. Pairs routed to an LLM backend are not counted: their capacity is the
+    server's."""
+    from translation.backends import concrete
+
+    routes = cfg.translation.routing
+    pairs = sum(1 for s in cfg.streams for t in s.targets
+                if concrete(routes.kind_for(s.language, t), s.language, t) in SENTENCE_ENGINES)
+    need = math.ceil(pairs / SENTENCE_PAIRS_PER_TRANSLATOR)
+    if need <= cfg.translation.actors:
+        return None
+    return (f"{pairs} stream-target pairs on the embedded translators with "
+            f"translation.actors {cfg.translation.actors}: plan about "
+            f"{SENTENCE_PAIRS_PER_TRANSLATOR} per actor (each translates on one core; one "
+            "fell a minute behind at the text of ~190 talks, docs/gpu.md): set "
+            f"translation.actors to {need} or more, or route pairs to an LLM backend")
 
 
 def needs_measuring(cfg: EventConfig) -> EmbeddedEngineOptions | None:

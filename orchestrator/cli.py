@@ -54,11 +54,11 @@ def _load_or_exit(path: str) -> EventConfig:
 
 
 def _warn_over_capacity(path: str, cfg: EventConfig) -> None:
-    from orchestrator.capacity import over_capacity
+    from orchestrator.capacity import over_capacity, translation_over_capacity
 
-    warning = over_capacity(cfg)
-    if warning:
-        print(f"{path}: warning: {warning}", file=sys.stderr)
+    for warning in (over_capacity(cfg), translation_over_capacity(cfg)):
+        if warning:
+            print(f"{path}: warning: {warning}", file=sys.stderr)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

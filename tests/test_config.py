@@ -477,3 +477,35 @@ def test_the_shedding_policy_is_the_operators_choice() -> None:
     assert session_policy(shed).shed_after_s == 20.0
     with pytest.raises(ConfigError, match="shed_after_s"):
         parse_event(base + "engine: {session: {shed_after_s: -1}}\n")
+
+
+def test_more_pairs_than_the_translators_are_planned_for_is_said_at_validate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One translator on the embedded engines is planned for
+    `SENTENCE_PAIRS_PER_TRANSLATOR` stream-target pairs (the first whole-product run left
+    one a minute behind): past it, validate says how many actors to set; pairs routed to
+    an LLM backend are the server's to carry and do not count."""
+    from orchestrator.capacity import SENTENCE_PAIRS_PER_TRANSLATOR, translation_over_capacity
+    from orchestrator.cli import main
+
+    def event(streams: int, extra: str = "") -> Path:
+        rooms = "".join(f"  - {{id: r{i}, source: push, language: en, targets: [pt, fr]}}\n"
+                        for i in range(streams))
+        return write(tmp_path, f"event: e\nengine: {{streams_per_actor: {streams}}}\n"
+                     f"{extra}streams:\n{rooms}")
+
+    half = SENTENCE_PAIRS_PER_TRANSLATOR // 2
+    assert translation_over_capacity(load_event(event(half))) is None  # 2 × half pairs: fits
+    path = event(half + 1)
+    warning = translation_over_capacity(load_event(path))
+    assert warning is not None
+    assert f"{2 * half + 2} stream-target pairs" in warning
+    assert "translation.actors to 2 or more" in warning
+    assert main(["validate", str(path)]) == 0  # a warning, never a refusal
+    assert f"{path}: warning: {2 * half + 2} stream-target pairs" in capsys.readouterr().err
+    assert translation_over_capacity(load_event(event(half + 1, "translation: {actors: 2}\n"))) \
+        is None
+    # en→fr on an LLM (the server's capacity): only the en→pt pairs count
+    llm = event(half + 1, "translation: {routes: {en-fr: openai-chat}, openai: "
+                          "{url: 'http://mt:8000/v1', model: m}}\n")
+    assert translation_over_capacity(load_event(llm)) is None

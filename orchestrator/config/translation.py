@@ -46,7 +46,11 @@ class VllmTranslationConfig(_Strict):
 class TranslationConfig(_Strict):
     """The translator pool: how many actors, and which backend translates which pair."""
 
-    actors: int = Field(default=1, ge=1, description="translation actors (job consumers)")
+    actors: int = Field(default=1, ge=1,
+                        description="translation actors (job consumers). On the embedded "
+                                    "engines each translates on one core: plan about 100 "
+                                    "stream-target pairs per actor (validate and run warn "
+                                    "past it; orchestrator/capacity.py says why)")
     default: BackendKind = Field(default="embedded",
                                  description="backend for pairs no route names")
     routes: dict[str, BackendKind] = Field(
