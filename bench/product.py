@@ -21,6 +21,8 @@ bench.playback.SendLog):
   (p50/p95); `open_at_end` per language (streams whose last caption is still a partial
   after the drain); finals per stream; `wer` of the source finals (tests.speech.normalize);
 - `ready_s`: from `babelcast run` to every actor reported (engine loads included);
+- `asr_cpu_s_parts`, `asr_us_per_chunk_parts`: `asr` split into the actors' own processes,
+  vLLM's engine cores and the other children (VAD helpers), also per 80 ms of stream audio;
 - `cpu`: CPU seconds per component over the played window (first chunk to last chunk),
   and per second of stream audio: `gateway` (the `babelcast run` process: gateway worker 0,
   control plane, Ray driver), `gateway_workers`, `ingest`, `asr` (with its children, e.g.
@@ -73,6 +75,10 @@ ACTOR_ROLES = (("asr", b"ray::AsrActor"), ("ingest", b"ray::IngestActor"),
 OWN_ROLES = {"raylet": "raylet", "gcs_server": "gcs"}  # by the executable's name
 COMPONENTS = ("gateway", "gateway_workers", "ingest", "asr", "translation", "raylet", "gcs",
               "other", "redis")
+ASR_PARTS = ("asr_actor", "asr_engine_core", "asr_helpers")
+"""`asr` split by process: the actors' own (one Python event loop each: Redis reads and
+writes, session managers, segmenters, vLLM's AsyncLLM front end), vLLM's engine cores, and
+the rest of their children (VAD helpers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +160,16 @@ def component_cpu(run_pid: int, redis_pid: int | None) -> dict[str, float]:
         role[pid] = own
         return own
 
-    totals = dict.fromkeys(COMPONENTS, 0.0)
-    for pid, (_, _, cpu, _) in procs.items():
+    totals = dict.fromkeys(COMPONENTS + ASR_PARTS, 0.0)
+    for pid, (_, comm, cpu, cmdline) in procs.items():
         r = role_of(pid)
         if r in totals:
             totals[r] += cpu
+        if r == "asr":
+            part = ("asr_actor" if b"ray::AsrActor" in cmdline
+                    else "asr_engine_core" if b"EngineCore" in cmdline or "EngineCor" in comm
+                    else "asr_helpers")
+            totals[part] += cpu
     if redis_pid in procs:
         totals["redis"] = procs[redis_pid][2]
     return totals
@@ -316,6 +327,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                      for s, r, h in zip(ids, refs, hyps, strict=True)}
         per_lang["source" if lang == SOURCE_LANG else "translated"] = row
     cpu = {k: round(cpu1[k] - cpu0[k], 2) for k in COMPONENTS}
+    asr_parts = {k: round(cpu1[k] - cpu0[k], 2) for k in ASR_PARTS}
     return {
         "kind": "product",
         "streams": len(ids),
@@ -331,6 +343,11 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "cpu_s": cpu,
         "cpu_s_per_audio_s": {k: round(v / audio_s, 4) for k, v in cpu.items()},
         "cpu_s_per_audio_s_total": round(sum(cpu.values()) / audio_s, 4),
+        "asr_cpu_s_parts": asr_parts,
+        # per 80 ms of stream audio, as bench.capacity.strict reports its engine cores,
+        # front ends and helpers: the actor's own part is the strict front end plus Redis
+        "asr_us_per_chunk_parts": {k: round(v / (audio_s / 0.08) * 1e6, 1)
+                                   for k, v in asr_parts.items()},
         "bench_client_cpu_s": round(bench_cpu, 2),  # the senders and caption sockets, same host
         "session_counters": {k: round(v, 3) for k, v in counters.items()},
         "actors": actors,

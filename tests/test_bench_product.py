@@ -116,5 +116,12 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     assert set(result["cpu_s"]) == set(COMPONENTS)
     assert result["cpu_s"]["asr"] > 0 and result["cpu_s_per_audio_s"]["asr"] > 0
     assert result["cpu_s"]["translation"] > 0
+    # `asr` split by process: the embedded engine decodes in the actor's own process and
+    # has no engine core; the parts add up to the whole (each rounded to 0.01 s)
+    parts = result["asr_cpu_s_parts"]
+    assert set(parts) == {"asr_actor", "asr_engine_core", "asr_helpers"}
+    assert parts["asr_engine_core"] == 0 and parts["asr_actor"] > 0
+    assert sum(parts.values()) == pytest.approx(result["cpu_s"]["asr"], abs=0.03)
+    assert result["asr_us_per_chunk_parts"]["asr_actor"] > 0
     assert set(result["session_counters"]) >= {"stalls", "gap_fill_s", "late_audio_dropped_s"}
     assert "asr-0" in result["actors"] and result["actors"]["asr-0"]["engine_ok"] == 1
