@@ -7,7 +7,7 @@ import logging
 import os
 
 from orchestrator.config import EventConfig, StreamConfig, TranslationConfig
-from translation.backends import BackendSettings, concrete
+from translation.backends import BackendSettings
 from translation.backends.openai_chat import OpenAIChatOptions
 from translation.backends.vllm_chat import VllmChatOptions
 from translation.glossary import GlossaryTerm
@@ -58,8 +58,7 @@ def session_policy(cfg: EventConfig) -> SessionPolicy:
 def translation_backends(cfg: EventConfig) -> list[str]:
     """The concrete backends the event's pairs need (loaded when a translator starts)."""
     routes = cfg.translation.routing
-    names = {concrete(routes.kind_for(s.language, t), s.language, t)
-             for s in cfg.streams for t in s.targets}
+    names = {routes.concrete_for(s.language, t) for s in cfg.streams for t in s.targets}
     return sorted(n for n in names if n is not None)
 
 

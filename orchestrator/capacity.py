@@ -185,11 +185,9 @@ def translation_over_capacity(cfg: EventConfig) -> str | None:
     engines than its translator actors are planned for (`SENTENCE_PAIRS_PER_TRANSLATOR`
     each), else None. Pairs routed to an LLM backend are not counted: their capacity is the
     server's."""
-    from translation.backends import concrete
-
     routes = cfg.translation.routing
     pairs = sum(1 for s in cfg.streams for t in s.targets
-                if concrete(routes.kind_for(s.language, t), s.language, t) in SENTENCE_ENGINES)
+                if routes.concrete_for(s.language, t) in SENTENCE_ENGINES)
     need = math.ceil(pairs / SENTENCE_PAIRS_PER_TRANSLATOR)
     if need <= cfg.translation.actors:
         return None

@@ -58,12 +58,16 @@ class Routes:
                 return self.pairs[key]
         return self.default
 
+    def concrete_for(self, source: str, target: str) -> str | None:
+        """The concrete backend for a pair, or None if the routed kind lacks it."""
+        return concrete(self.kind_for(source, target), source, target)
+
     def backend_for(self, source: str, target: str) -> str:
         """The concrete backend for a pair; BackendError if the routed kind lacks it."""
-        kind = self.kind_for(source, target)
-        name = concrete(kind, source, target)
+        name = self.concrete_for(source, target)
         if name is None:
-            raise BackendError(no_backend_message(kind, source, target))
+            raise BackendError(no_backend_message(self.kind_for(source, target), source,
+                                                  target))
         return name
 
 
