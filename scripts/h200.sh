@@ -77,7 +77,8 @@ install)
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   ;;
 engine)
-  timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v \
+  # K="keys-189 or blocks-205" runs only those (a pytest -k expression): what a cut run left
+  timeout 570 python3 -m pytest -p no:cacheprovider -o timeout=560 -rA -v ${K:+-k "$K"} \
     tests/gpu/test_reanchor_scheduler.py tests/gpu/test_vllm_engine.py > "$OUT/engine.log" 2>&1; echo rc=$?
   grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/engine.log" | tail -30; echo ----; tail -c 6000 "$OUT/engine.log"
   ;;
