@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
+from dataclasses import replace
 
 import jiwer
 import pytest
@@ -256,8 +257,6 @@ async def test_an_actor_cut_off_cannot_write_once_another_took_its_stream(
     bench) while the stream moves to another actor. Both read the stream's audio; only
     the new owner may publish: the old one is refused at its next caption and lets the
     stream go, so seq stays contiguous, no final is doubled and none is left open."""
-    from dataclasses import replace
-
     split = 7 * SAMPLE_RATE * 2
     first, second = room_b[:split], room_b[split:] + TRAILING_SILENCE
 
@@ -366,8 +365,6 @@ async def test_a_new_owner_reads_again_from_the_start_when_no_final_was_made(
     baseline: half the streams started their new owner at the live edge and lost their
     words). The new owner reads the stream's audio again from its start (within
     max_catchup_s), so the first words are captioned, by it, once."""
-    from dataclasses import replace
-
     split = int(2.0 * SAMPLE_RATE) * 2  # the first words, before any pause
     first, second = room_b[:split], room_b[split:] + TRAILING_SILENCE
     old = AsrHost(replace(host_options(redis_url), actor_id="asr-old"), real_engine())
@@ -402,3 +399,88 @@ async def test_a_new_owner_reads_again_from_the_start_when_no_final_was_made(
     ids = [c.segment_id for c in finals]
     assert len(ids) == len(set(ids)), "a caption was made final twice"
     assert (await bus.get_status("talk")).get("resumes") == "1"
+
+
+class _CountingSession(RecognizeSession):
+    """Takes audio and says nothing; remembers each chunk's position (the host's read
+    pacing is under test here, not recognition)."""
+
+    def __init__(self, options: SessionOptions, got: list[int]) -> None:
+        super().__init__(options)
+        self.got = got
+
+    async def _run(self, inputs: asyncio.Queue[SessionInput]) -> None:
+        while (item := await inputs.get()) is not END:
+            if isinstance(item, AudioChunk):
+                self.got.append(item.pos)
+
+
+class _CountingEngine(WrappedEngine):
+    """The real engine's capabilities and start; sessions that only count (a stand-in for
+    recognition, which this test does not look at)."""
+
+    def __init__(self, inner: SpeechEngine) -> None:
+        super().__init__(inner)
+        self.got: dict[str, list[int]] = {}
+
+    def open_session(self, options: SessionOptions) -> RecognizeSession:
+        session = _CountingSession(options, self.got.setdefault(options.stream_id, []))
+        session.start()
+        return session
+
+
+async def _xreads(bus: RedisBus) -> int:
+    stats = await bus.redis.info("commandstats")
+    return int(stats.get("cmdstat_xread", {}).get("calls", 0))
+
+
+async def test_the_reader_gathers_many_streams_chunks_into_one_read(
+    redis_url: str, bus: RedisBus
+) -> None:
+    """Encoders send each stream's chunks at their own instants. Reading again as soon as
+    a read returns, the host made one XREAD, naming every stream, per chunk: its largest
+    own CPU cost at 25 streams (bench.actor_cpu). With `read_every_ms` it reads at most
+    that often, and every chunk still reaches its session, in order. Both legs run here:
+    the unpaced one (0) must exceed the paced leg's bound, or the count proves nothing."""
+    streams, seconds, every_ms = 12, 3.0, 20
+    chunk_s = CHUNK_BYTES / 2 / SAMPLE_RATE
+    pcm = bytes(CHUNK_BYTES)
+
+    async def leg(read_every_ms: int) -> tuple[int, float, dict[str, list[int]]]:
+        engine = _CountingEngine(real_engine())
+        host = AsrHost(replace(host_options(redis_url), max_streams=streams,
+                               read_every_ms=read_every_ms), engine)
+        ids = [f"r{read_every_ms}-{i}" for i in range(streams)]
+        await asyncio.wait_for(host.start(), 60)
+        try:
+            for sid in ids:
+                await host.add_stream(stream_options(sid))
+            loop = asyncio.get_running_loop()
+            before, t0 = await _xreads(bus), loop.time()
+            for k in range(round(seconds / chunk_s)):
+                for i, sid in enumerate(ids):  # stream i at i/N of each chunk's cycle
+                    delay = t0 + (k + i / streams) * chunk_s - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await bus.add_audio(AudioChunk(sid, k * CHUNK_BYTES // 2, pcm, time.time()))
+            fed = round(seconds / chunk_s)
+
+            async def all_handed() -> bool:
+                return all(len(engine.got.get(sid, [])) >= fed for sid in ids)
+
+            await eventually(all_handed, 10, "every chunk handed to its session")
+            reads, elapsed = await _xreads(bus) - before, loop.time() - t0
+        finally:
+            await asyncio.wait_for(host.stop(finish_s=0), 30)
+        return reads, elapsed, {sid: engine.got[sid] for sid in ids}
+
+    reads, elapsed, got = await leg(every_ms)
+    bound = elapsed / (every_ms / 1000) + 2
+    fed = round(seconds / chunk_s)
+    expected = [k * CHUNK_BYTES // 2 for k in range(fed)]
+    assert all(positions == expected for positions in got.values()), "a chunk lost or reordered"
+    assert reads <= bound, f"{reads} reads in {elapsed:.1f} s: more than one per {every_ms} ms"
+    unpaced, _elapsed, got = await leg(0)
+    assert all(positions == expected for positions in got.values())
+    assert unpaced > bound, (
+        f"unpaced: {unpaced} reads for {streams * fed} chunks; the count cannot tell")

@@ -226,11 +226,16 @@ class AsrHost:
                 "streams_behind": sum(1 for lag in lags if lag > behind_s)}
 
     async def _read_loop(self) -> None:
+        every_s = self.options.read_every_ms / 1000
+        last = -every_s
         while True:
             if not self._cursors:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if (wait := last + every_s - time.monotonic()) > 0:
+                await asyncio.sleep(wait)  # gather more streams' chunks into this read
+            last = time.monotonic()
             try:
                 items = await self.bus.read_audio(
                     dict(self._cursors), block_ms=self.options.read_block_ms

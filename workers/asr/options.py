@@ -14,6 +14,14 @@ class AsrHostOptions:
     max_streams: int
     restart_backoff_s: float = 1.0
     read_block_ms: int = 200
+    read_every_ms: int = 20
+    """The shortest time between two audio reads. Encoders send each stream's chunks at
+    their own instants, so a read loop that reads again as soon as a read returns makes one
+    XREAD, naming every stream, per chunk: O(streams) per chunk in command packing alone,
+    the largest part of an actor's own CPU at 25 streams (bench.actor_cpu). Waiting this
+    long gathers a read's worth of chunks from many streams; a chunk waits at most this
+    long (the vllm engine hands audio to the model on an 80 ms tick, the embedded one
+    decodes each second). 0: read again at once."""
     session_policy: SessionPolicy = field(default_factory=SessionPolicy)
     max_backlog_s: float = 20.0
     """Audio seconds one stream may get ahead of real time in this actor (a publisher's
