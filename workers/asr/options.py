@@ -17,11 +17,11 @@ class AsrHostOptions:
     read_every_ms: int = 20
     """The shortest time between two audio reads. Encoders send each stream's chunks at
     their own instants, so a read loop that reads again as soon as a read returns makes one
-    XREAD, naming every stream, per chunk: O(streams) per chunk in command packing alone,
-    the largest part of an actor's own CPU at 25 streams (bench.actor_cpu). Waiting this
-    long gathers a read's worth of chunks from many streams; a chunk waits at most this
-    long (the vllm engine hands audio to the model on an 80 ms tick, the embedded one
-    decodes each second). 0: read again at once."""
+    XREAD per chunk: a round trip (the command, its reply, the loop's wake-ups) for every
+    80 ms chunk of every stream, ~45 % of an actor's own CPU at 25 and at 50 streams
+    (bench.actor_cpu). Waiting this long gathers many streams' chunks into one read; a
+    chunk waits at most this long (the vllm engine hands audio to the model on an 80 ms
+    tick, the embedded one decodes each second). 0: read again at once."""
     session_policy: SessionPolicy = field(default_factory=SessionPolicy)
     max_backlog_s: float = 20.0
     """Audio seconds one stream may get ahead of real time in this actor (a publisher's
