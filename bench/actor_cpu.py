@@ -79,7 +79,7 @@ def _feeder(redis_url: str, streams: list[str], seconds: float, ready: Any) -> N
         t0 = time.time() + 0.5
         n = len(streams)
         offsets = [(i * 7919 * FRAME) % (audio.size - FRAME) for i in range(n)]
-        slots = sorted((k / n * CHUNK_S, i) for k, i in enumerate(range(n)))
+        slots = [(i / n * CHUNK_S, i) for i in range(n)]
         k = 0
         while (k + 1) * CHUNK_S <= seconds:
             base = t0 + (k + 1) * CHUNK_S
@@ -103,28 +103,15 @@ async def _commands(redis: Any) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
 
 
-def _children_cpu_s(skip: set[int]) -> float:
-    import psutil
-
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in skip:
-            continue
-        try:
-            t = child.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
-
-
 async def _actor_leg(streams: int, seconds: float, warm_s: float, redis_url: str,
-                     skip: set[int], read_every_ms: int | None = None,
+                     skip: frozenset[int], read_every_ms: int | None = None,
                      profile_s: float = 0.0) -> dict[str, Any]:
     import uuid
 
+    from bench.capacity.host import _children_cpu_s
     from tests.fake_vllm import FakeVllmBackend
     from workers.asr import AsrHost, AsrHostOptions
+    from workers.bus import captions_key
     from workers.engines import vad
     from workers.engines.vllm.engine import DEFAULT_GEOMETRY, VllmEngineOptions, VllmVoxtralEngine
     from workers.events import AudioChunk, StreamOptions
@@ -163,16 +150,19 @@ async def _actor_leg(streams: int, seconds: float, warm_s: float, redis_url: str
     feeder = ctx.Process(target=_feeder, args=(redis_url, ids, warm_s + measure_s + 2.0, ready),
                          daemon=True)
     feeder.start()
-    skip = skip | {feeder.pid or 0}
+    skip = skip | {feeder.pid or 0}  # its CPU is the encoders', not the actor's
     try:
         await asyncio.get_running_loop().run_in_executor(None, ready.wait, 60)
         await asyncio.sleep(0.5 + warm_s)
         redis = host.bus.redis
-        keys = {"captions": [f"captions:{sid}:en" for sid in ids]}
-        before = {"audio_s": host.audio_s, "cpu": time.process_time(),
-                  "kids": _children_cpu_s(skip), "t": time.monotonic(),
-                  "captions": sum([await redis.xlen(k) for k in keys["captions"]]),
-                  "commands": await _commands(redis)}
+
+        async def captions() -> int:
+            return sum([await redis.xlen(captions_key(sid, "en")) for sid in ids])
+
+        before: dict[str, Any] = {
+            "audio_s": host.audio_s, "cpu": time.process_time(),
+            "kids": _children_cpu_s(skip)[1], "t": time.monotonic(),
+            "captions": await captions(), "commands": await _commands(redis)}
         measuring[0] = True
         prof = cProfile.Profile(time.process_time) if profile_s else None
         if prof is not None:
@@ -183,9 +173,9 @@ async def _actor_leg(streams: int, seconds: float, warm_s: float, redis_url: str
         measuring[0] = False
         elapsed = time.monotonic() - before["t"]
         cpu = time.process_time() - before["cpu"]
-        kids = _children_cpu_s(skip) - before["kids"]
+        kids = _children_cpu_s(skip)[1] - before["kids"]
         chunks = max(1, round((host.audio_s - before["audio_s"]) / CHUNK_S))
-        captions = sum([await redis.xlen(k) for k in keys["captions"]]) - before["captions"]
+        written = await captions() - before["captions"]
         after = await _commands(redis)
         commands = {c: round((n - before["commands"].get(c, 0)) / chunks, 3)
                     for c, n in sorted(after.items(), key=lambda kv: -kv[1])
@@ -199,7 +189,7 @@ async def _actor_leg(streams: int, seconds: float, warm_s: float, redis_url: str
             "read_every_ms": options.read_every_ms,
             "read_delay_ms_p50": round(1000 * (pct(delays, 0.5) or 0.0), 1),
             "read_delay_ms_p95": round(1000 * (pct(delays, 0.95) or 0.0), 1),
-            "captions_written": captions,
+            "captions_written": written,
             "redis_calls_per_chunk": commands,
             "max_caption_lag_s": lag["max_caption_lag_s"],
             "streams_behind": lag["streams_behind"]}
@@ -210,9 +200,7 @@ async def _actor_leg(streams: int, seconds: float, warm_s: float, redis_url: str
         feeder.join(timeout=measure_s + warm_s + 10)
         if feeder.is_alive():
             feeder.kill()
-        await host.stop(finish_s=1.0)
-        if host.vad_service is not None:
-            host.vad_service.shutdown()
+        await host.stop(finish_s=1.0)  # its VAD helpers too
 
 
 def _profile_shares(prof: cProfile.Profile, cpu_s: float, top: int = 25) -> dict[str, Any]:
@@ -260,7 +248,7 @@ async def run(streams: int, seconds: float, rounds: int, warm_s: float,
 
     server = LocalRedisServer()
     url = server.start()
-    skip = {server._proc.pid} if server._proc else set()
+    skip = frozenset({server._proc.pid} if server._proc else ())
     legs: dict[str, list[dict[str, Any]]] = {"front_end": [], "actor_unpaced": [],
                                              "actor": []}
     try:

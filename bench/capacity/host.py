@@ -79,14 +79,16 @@ async def _gpu_util(stop: asyncio.Event, out: list[float],
         await asyncio.sleep(1.0)
 
 
-def _children_cpu_s() -> tuple[float, float]:
-    """CPU seconds of this process's children: (vLLM's engine core, the rest: the VAD
-    helper processes in production mode). Helpers that exit in a phase are not counted,
-    so the VAD pool lives for the whole phase."""
+def _children_cpu_s(skip: frozenset[int] = frozenset()) -> tuple[float, float]:
+    """CPU seconds of this process's children but `skip` (pids): (vLLM's engine core, the
+    rest: the VAD helper processes in production mode). Helpers that exit in a phase are
+    not counted, so the VAD pool lives for the whole phase."""
     import psutil
 
     core = other = 0.0
     for child in psutil.Process().children(recursive=True):
+        if child.pid in skip:
+            continue
         try:
             t = child.cpu_times()
             name = " ".join([child.name(), *child.cmdline()])
