@@ -49,7 +49,8 @@ def save(result: dict[str, Any], path: str | Path) -> Path:
 
 
 def load(folder: str | Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
-    """Every JSON file in `folder` whose `kind` is `kind`, by name."""
+    """Every JSON file in `folder` whose `kind` is `kind`, in the order they were run (the
+    file's `date`, then its name): a rerun of a level reads below the run before it."""
     out = []
     for path in sorted(Path(folder).glob("*.json")):
         try:
@@ -58,4 +59,5 @@ def load(folder: str | Path, kind: str) -> list[tuple[Path, dict[str, Any]]]:
             raise ValueError(f"{path}: not a JSON result ({exc})") from exc
         if isinstance(data, dict) and data.get("kind") == kind:
             out.append((path, data))
+    out.sort(key=lambda item: (str(item[1].get("date", "")), item[0].name))
     return out
