@@ -45,6 +45,7 @@ from workers.aio import wait_for
 from workers.asr import AsrHostOptions
 from workers.bus import RedisBus, connect_redis
 from workers.engines import vad
+from workers.events import StreamOptions
 from workers.ingest import IngestHostOptions
 
 log = logging.getLogger(__name__)
@@ -201,21 +202,41 @@ class EventRuntime(Failover, HotApply):
             handle.start.remote()
 
     async def place_all(self) -> None:
+        """Pin every stream to an actor, then hand the actors their streams side by side,
+        each actor's in order. An actor's first stream starts its engine (a minute or
+        more for vLLM): handed one actor after another, N engines took N times as long
+        before the last actor's rooms had captions (three vLLM engines on one H200
+        wait for each other only where they must profile memory in turn; see
+        `engine.vllm.kv_cache_gib`)."""
         assert self.router is not None
         self.unplaced = []
         ingest_ids = list(self.ingest)
+        handed: dict[str, list[tuple[bool, StreamOptions]]] = {}  # actor → (pulled?, options)
         for n, s in enumerate(self.cfg.streams):
-            opts = stream_options(s, self.cfg.translation)
             try:
                 actor = self.router.place(s.id)
             except PlacementError as exc:
                 log.error("%s", exc)
                 self.unplaced.append(s.id)
                 continue
-            await self.asr[actor].add_stream.remote(opts)
             if s.source_kind != "push":
-                ing = self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
-                await self.ingest[ing].add_stream.remote(opts)
+                self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
+            handed.setdefault(actor, []).append(
+                (s.source_kind != "push", stream_options(s, self.cfg.translation)))
+
+        async def hand(actor: str, items: list[tuple[bool, StreamOptions]]) -> None:
+            for pulled, opts in items:
+                await self.asr[actor].add_stream.remote(opts)
+                if pulled:
+                    await self.ingest[self._ingest_pins[opts.stream_id]].add_stream.remote(opts)
+
+        results = await asyncio.gather(*(hand(a, items) for a, items in handed.items()),
+                                       return_exceptions=True)
+        # As before, a stream that cannot be handed stops the start, but only once every
+        # other actor's hand has finished: none is left running behind the error.
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
         self._export_placement()
         await self._report_status()
 

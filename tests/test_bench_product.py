@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.playback import SendLog
-from bench.playback import MAX_DRAIN_S
+from bench.playback import MAX_DRAIN_S, SendLog
 from bench.product import (
     COMPONENTS,
     STOP_MARGIN_S,

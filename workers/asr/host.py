@@ -61,6 +61,9 @@ class AsrHost:
         self.vad_service = (VadService(options.vad_processes) if options.vad_process
                             else None)
         self.engine_ok = True
+        self.engine_started: tuple[float, float] | None = None
+        """Wall times the engine's start began and ended (in the status as
+        `engine_start_at` and `engine_start_s`)."""
         self.audio_s = 0.0
         """Audio seconds handed to all sessions since start (engine busy / this = RTF)."""
 
@@ -73,7 +76,9 @@ class AsrHost:
     async def start(self) -> None:
         self._redis = connect_redis(self.options.redis_url)
         self._bus = RedisBus(self._redis)
+        began = time.time()
         await self.engine.start()
+        self.engine_started = (began, time.time())
         self._reader = asyncio.create_task(self._read_loop(), name="asr-reader")
         self._reporter = asyncio.create_task(self._report_loop(), name="asr-report")
         if self.options.lease_ttl_s:
@@ -196,6 +201,7 @@ class AsrHost:
             "actor_id": self.options.actor_id,
             "streams": {sid: self._stream_health(r) for sid, r in self._runners.items()},
             "engine_ok": self.engine_ok,
+            **self._start_fields(),
             **self.lag_summary(),
             **self.engine.describe(),
         }
@@ -260,6 +266,12 @@ class AsrHost:
                     except Exception as exc:
                         log.warning("stream %s: push failed: %s", stream, type(exc).__name__)
 
+    def _start_fields(self) -> dict[str, float]:
+        if self.engine_started is None:
+            return {}
+        began, ended = self.engine_started
+        return {"engine_start_at": round(began, 3), "engine_start_s": round(ended - began, 3)}
+
     async def _report_loop(self, every_s: float = 1.0) -> None:
         """Engine counters to `actor:{id}`, session counters to each stream's status."""
         while True:
@@ -279,7 +291,8 @@ class AsrHost:
                     {**stats, **self.engine.describe(), **self.lag_summary(),
                      "streams": len(self._runners),
                      "max_streams": self.options.max_streams,
-                     "audio_s": round(self.audio_s, 3), "engine_ok": int(self.engine_ok)},
+                     "audio_s": round(self.audio_s, 3), "engine_ok": int(self.engine_ok),
+                     **self._start_fields()},
                 )
             try:
                 if stats is not None:
