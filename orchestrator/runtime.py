@@ -211,7 +211,8 @@ class EventRuntime(Failover, HotApply):
         assert self.router is not None
         self.unplaced = []
         ingest_ids = list(self.ingest)
-        handed: dict[str, list[tuple[bool, StreamOptions]]] = {}  # actor → (pulled?, options)
+        # actor → its streams' options, each with its ingest actor (None: pushed audio)
+        handed: dict[str, list[tuple[StreamOptions, str | None]]] = {}
         for n, s in enumerate(self.cfg.streams):
             try:
                 actor = self.router.place(s.id)
@@ -219,16 +220,15 @@ class EventRuntime(Failover, HotApply):
                 log.error("%s", exc)
                 self.unplaced.append(s.id)
                 continue
-            if s.source_kind != "push":
-                self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
-            handed.setdefault(actor, []).append(
-                (s.source_kind != "push", stream_options(s, self.cfg.translation)))
+            ing = (self._ingest_pins.setdefault(s.id, ingest_ids[n % len(ingest_ids)])
+                   if s.source_kind != "push" else None)
+            handed.setdefault(actor, []).append((stream_options(s, self.cfg.translation), ing))
 
-        async def hand(actor: str, items: list[tuple[bool, StreamOptions]]) -> None:
-            for pulled, opts in items:
+        async def hand(actor: str, items: list[tuple[StreamOptions, str | None]]) -> None:
+            for opts, ing in items:
                 await self.asr[actor].add_stream.remote(opts)
-                if pulled:
-                    await self.ingest[self._ingest_pins[opts.stream_id]].add_stream.remote(opts)
+                if ing is not None:
+                    await self.ingest[ing].add_stream.remote(opts)
 
         results = await asyncio.gather(*(hand(a, items) for a, items in handed.items()),
                                        return_exceptions=True)
