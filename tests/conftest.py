@@ -42,6 +42,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """A Ray of the test module's own (address="local": never one another test run left on
+    this machine), two CPUs, shut down after the module."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[LocalRedisServer]:
     server = LocalRedisServer()

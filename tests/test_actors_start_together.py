@@ -7,7 +7,6 @@ the H200, 2026-12-05, spent its 10-minute call that way)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 import ray
@@ -29,13 +28,6 @@ streams:
   - {{id: hall, source: push, language: en}}
   - {{id: annex, source: push, language: en}}
 """
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 async def test_every_actors_engine_starts_while_the_others_do(

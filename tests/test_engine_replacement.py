@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import ray
@@ -31,13 +30,6 @@ redis: {{url: "{url}"}}
 streams:
   - {{id: hall, source: push, language: en}}
 """
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 async def feed(bus: RedisBus, stop: asyncio.Event) -> None:

@@ -15,13 +15,11 @@ import os
 import signal
 import time
 import wave
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jiwer
 import pytest
-import ray
 from ray.exceptions import ActorUnavailableError
 
 from orchestrator import metrics
@@ -48,14 +46,6 @@ streams:
 """
 LEAD_IN_S = 0.5
 KILL_AT_S = 8.0  # file seconds: inside the second of room-b's two sentences (7.4-10.6 s)
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    # address="local": a Ray of its own, never one another test run left on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def talk_wav(path: Path) -> bytes:

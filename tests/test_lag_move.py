@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jiwer
@@ -59,14 +58,6 @@ class SlowableAsrActor(_HostActor):
 
     async def slow_down(self) -> None:
         self.engine.slow = True
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    # address="local": a Ray of its own, never one another test run left on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 async def test_a_stream_behind_real_time_moves_to_an_actor_that_keeps_up(

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,13 +61,6 @@ LOAD_MAX_S = 240.0
 AFTER_S = 40.0
 SHED_S = 14.0
 CHUNK = SAMPLE_RATE // 10
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 async def all_captions(bus: RedisBus, stream: str) -> list[CaptionSegment]:

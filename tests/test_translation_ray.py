@@ -4,7 +4,6 @@ killed while it holds jobs, and every final still gets exactly one translation."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,13 +18,6 @@ from translation.jobs import GROUP
 from workers.bus import JOBS_KEY, RedisBus, actor_key
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 EVENT = """
