@@ -378,3 +378,33 @@ def test_steps_per_second_and_their_batch_come_from_the_workers_counts() -> None
     assert strict.step_rate(counted, 300.0) == {
         "steps_per_s": 10.0, "requests_per_step": 12.5, "requests_per_step_p10": 5,
         "requests_per_step_p50": 5, "requests_per_step_p90": 20}
+
+
+def test_the_phase_summary_adds_the_engines_histograms_key_by_key() -> None:
+    """Each engine's counts in the phase carry histograms (`step_sizes`, `step_gaps_ms`)
+    and the tick gather's counts beside plain numbers: the summary adds them up key by
+    key. (Summed as numbers, the first run with histograms would have failed after its
+    five-minute phase, before writing its result.)"""
+    def answer(sizes: dict[str, int], holds: int) -> dict[str, object]:
+        sessions = [{"session": i, "keeps_up": True, "frames_per_s": 12.5,
+                     "backlog_p99_s": 0.2, "backlog_growth_s": 0.0, "backlog_start_s": 0.1,
+                     "backlog_end_s": 0.1} for i in range(2)]
+        return {"sessions": sessions, "controls": [], "window_s": 300.0,
+                "engine_core_us_per_chunk": 2000.0, "front_end_us_per_chunk": 1400.0,
+                "helpers_us_per_chunk": 700.0,
+                "reanchors_in_phase": {"reanchors": 2, "steps": sum(sizes.values()),
+                                       "step_requests": 7500, "step_sizes": sizes,
+                                       "step_gaps_ms": {"40": 3000},
+                                       "tick_gather": {"window_ms": 5.0, "holds": holds}}}
+
+    out = strict.summarize("project-direct-x2", 4,
+                           [answer({"1": 1500, "24": 1500}, 0), answer({"25": 3000}, 9)],
+                           [60.0], 0)
+    counted = out["reanchors_in_phase"]
+    assert counted["reanchors"] == 4 and counted["steps"] == 6000
+    assert counted["step_sizes"] == {"1": 1500, "24": 1500, "25": 3000}
+    assert counted["step_gaps_ms"] == {"40": 6000}
+    assert counted["tick_gather"] == {"window_ms": 5.0, "holds": 9}
+    first, second = out["by_front_end"]
+    assert (first["requests_per_step_p10"], first["requests_per_step_p90"]) == (1, 24)
+    assert second["requests_per_step_p50"] == 25

@@ -110,10 +110,7 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
     controls = [c for a in answers for c in a.get("controls", [])]
     window = min(a["window_s"] for a in answers)
     verdict = rule.phase_verdict(sessions, window, controls)
-    counted: dict[str, int] = {}
-    for a in answers:
-        for k, v in (a.get("reanchors_in_phase") or {}).items():
-            counted[k] = counted.get(k, 0) + int(v)
+    counted = add_counts([a.get("reanchors_in_phase") or {} for a in answers])
     by_fe = []
     for f, a in enumerate(answers, start=1):
         v = rule.phase_verdict(a["sessions"], a["window_s"], a.get("controls", []))
@@ -143,6 +140,22 @@ def summarize(config: str, n: int, answers: list[dict[str, Any]], util: list[flo
         "sessions": sessions,
         "controls": controls,
     }
+
+
+def add_counts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The engines' counts in the phase, added: numbers summed, histograms (`step_sizes`,
+    `step_gaps_ms`) and the gather's counts summed key by key; its window (`window_ms`) is
+    a setting, not a count: the largest is kept."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for k, v in part.items():
+            if isinstance(v, dict):
+                out[k] = add_counts([out.get(k) or {}, v])
+            elif k == "window_ms":
+                out[k] = max(out.get(k) or 0, v or 0)
+            else:
+                out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 def step_rate(counted: dict[str, Any], window_s: float) -> dict[str, Any]:
@@ -242,6 +255,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
                             melspec=levers["melspec"] and not stock,
                             tokens=levers["tokens"] and not stock,
                             trim=(levers["trim"] if not stock else False),
+                            gather=(levers["gather"] if not stock else 0.0),
                             strict=True, controls=args.controls if f == 1 else 0,
                             control_speed=args.control_speed,
                             stagger=({"total": n, "every": args.stagger_every}
