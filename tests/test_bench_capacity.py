@@ -25,6 +25,8 @@ from bench.capacity.ageing import (
 )
 from bench.capacity.configs import (
     CONFIGS,
+    GATHER,
+    GATHER_MS,
     PIN,
     ab_refusal,
     ab_windows,
@@ -121,6 +123,20 @@ def test_the_window_trim_lever_runs_with_the_other_two() -> None:
     keys = "project-direct-x2+melspec+tokens+keys"
     assert keys in CONFIGS and base_of(keys) == "project-direct-x2"
     assert trim_of(keys) == "keys" and trim_of("project-direct-x2") is False
+
+
+def test_the_tick_gather_lever_is_an_ab_partner_of_the_same_levers_without_it() -> None:
+    """`+gather` holds each tick's first step for GATHER_MS (gather.py), on the same
+    engines: its first measurement is an in-phase A/B against the configuration without
+    it, windows in turn."""
+    keys = "project-direct-x3+melspec+tokens+keys"
+    gathered = keys + GATHER
+    assert gathered in CONFIGS and gathered + PIN in CONFIGS and "stock+gather" not in CONFIGS
+    assert base_of(gathered) == "project-direct-x3" and engines_of(gathered) == 3
+    assert levers_of(gathered)["gather"] == GATHER_MS > 0
+    assert levers_of(keys)["gather"] == 0.0
+    assert ab_refusal([keys, gathered], 4) is None
+    assert [w["gather"] for w in ab_windows([keys, gathered], 4)] == [0.0, GATHER_MS] * 2
 
 
 def test_one_engine_configurations_move_to_front_end_one_when_shared() -> None:
@@ -646,8 +662,8 @@ def test_an_in_phase_ab_takes_configurations_that_differ_only_in_their_levers() 
                     "project-direct-x2+melspec+tokens+trim")
     assert ab_refusal([keys, blocks], 4) is None
     assert ab_windows([keys, blocks], 4) == [
-        {"melspec": True, "tokens": True, "trim": "keys", "pin": False},
-        {"melspec": True, "tokens": True, "trim": "blocks", "pin": False}] * 2
+        {"melspec": True, "tokens": True, "trim": "keys", "gather": 0.0, "pin": False},
+        {"melspec": True, "tokens": True, "trim": "blocks", "gather": 0.0, "pin": False}] * 2
     assert "differ only" in str(ab_refusal([keys, "project-x2+melspec+tokens+keys"], 4))
     assert "fewer than two" in str(ab_refusal([keys, blocks], 3))
     assert "two or more" in str(ab_refusal([keys], 4))
@@ -741,6 +757,32 @@ def test_ab_rows_give_each_configuration_its_own_windows() -> None:
     assert a["levers"] == "A" and b["levers"] == "B"
     assert a["realtime_by_front_end"] == [2, 1] and b["realtime_by_front_end"] == [0, 0]
     assert b["frames_per_s_p50_by_front_end"] == [10.15, 9.1]
+    assert "steps_per_s" not in a  # the windows counted no steps (stock, an old worker)
+
+
+def test_ab_rows_say_how_each_configuration_batched_its_steps() -> None:
+    """Each window carries its engine's step counts (`counted`); a configuration's row
+    adds its windows' up: steps per second of the mean engine, requests per step and the
+    gather's counts. Two engines, A (two steps a tick) and B (one)."""
+    def window(t0: float, steps: int, sizes: dict[str, int], holds: int) -> dict[str, Any]:
+        return {"t0": t0, "t1": t0 + 10, "fps": [12.5], "said": {},
+                "front_end_us_per_chunk": 1.0, "engine_core_us_per_chunk": 1.0,
+                "helpers_us_per_chunk": 0.0,
+                "counted": {"steps": steps, "step_requests": 2500, "step_sizes": sizes,
+                            "tick_gather": {"window_ms": 5.0 if holds else 0.0,
+                                            "ticks": 125, "holds": holds}}}
+
+    two, one = {"5": 125, "15": 125}, {"20": 125}
+    answers = [{"segments": [window(0, 250, two, 0), window(11, 125, one, 300)]},
+               {"segments": [window(0, 250, two, 0), window(11, 125, one, 280)]}]
+    rows = ab_rows(["A", "B"], answers, [1, 1], [], [])
+    a, b = rows["A"], rows["B"]
+    assert a["steps_per_s"] == 25.0 and b["steps_per_s"] == 12.5
+    assert a["requests_per_step"] == 10.0 and b["requests_per_step"] == 20.0
+    assert (a["requests_per_step_p10"], a["requests_per_step_p90"]) == (5, 15)
+    assert b["counted_in_windows"]["tick_gather"] == {"window_ms": 5.0, "ticks": 250,
+                                                      "holds": 580}
+    assert a["counted_in_windows"]["step_sizes"] == {"5": 250, "15": 250}
 
 
 async def test_front_ends_of_an_ab_start_their_windows_together() -> None:

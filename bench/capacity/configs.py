@@ -1,5 +1,5 @@
 """The capacity bench's configurations: their names (`stock`, `project…-xN`, the levers
-`+melspec`, `+tokens`, `+trim`, `+keys`, `+pin`), what each runs on (front ends, path,
+`+melspec`, `+tokens`, `+trim`, `+keys`, `+gather`, `+pin`), what each runs on (front ends, path,
 feed, levers) and which may share an in-phase A/B.
 """
 
@@ -23,17 +23,27 @@ TRIM = "+trim"
 KEYS = "+keys"
 """…with FlashAttention handed only the keys each window sees (engine.vllm.window_trim
 "keys"), switched per phase the same way."""
+GATHER = "+gather"
+"""…with an idle engine's first step of a tick held for the tick's other chunks, up to
+GATHER_MS (engine-core lever, workers/engines/vllm/reanchor/gather.py), switched per
+phase the same way. Not yet run on a GPU: its in-phase A/B against the same
+configuration without it (`bench.voxtral_capacity --ab`) is its first measurement."""
+GATHER_MS = 5.0
+"""The gather's window: at most this long after a tick's first chunk (6 % of the 80 ms
+tick). A guess to be measured: the front end sends a tick's chunks one message each, and
+how long 25 take to reach the engine core was never timed."""
 PIN = "+pin"
 """…with each engine-core process on a physical core of its own (both of its hardware
 threads) and the front ends and VAD helpers off those cores, switched per phase (or per
 window of an in-phase A/B) from the front-end processes. Not an engine-core lever: the
 host's scheduler is. Under MPS three engine cores each used a whole CPU at 112 aged, and
 75 of 112 sessions were real time, two engines' worth of three (2026-12-03)."""
-LEVERS = (MELSPEC, TOKENS, TRIM, KEYS, PIN)
+LEVERS = (MELSPEC, TOKENS, TRIM, KEYS, GATHER, PIN)
 CONFIGS = ("stock", *_PROJECT,
            *(f"{c}{s}{p}" for c in _PROJECT
              for s in (MELSPEC, TOKENS, MELSPEC + TOKENS, MELSPEC + TOKENS + TRIM,
-                       MELSPEC + TOKENS + KEYS) for p in ("", PIN)))
+                       MELSPEC + TOKENS + KEYS, MELSPEC + TOKENS + KEYS + GATHER)
+             for p in ("", PIN)))
 
 
 def trim_of(config: str) -> str | bool:
@@ -43,7 +53,7 @@ def trim_of(config: str) -> str | bool:
 
 def base_of(config: str) -> str:
     """The configuration without its levers (`+melspec`, `+tokens`, `+trim`, `+keys`,
-    `+pin`)."""
+    `+gather`, `+pin`)."""
     while True:
         lever = next((x for x in LEVERS if config.endswith(x)), None)
         if lever is None:
@@ -94,9 +104,10 @@ def feed_of(config: str, production: bool, age_frames: int) -> str:
 
 
 def levers_of(config: str) -> dict[str, Any]:
-    """The levers a configuration's phases run (the engine core's three, and pinning)."""
+    """The levers a configuration's phases run (the engine core's four, and pinning);
+    `gather` is the gather's window in ms, 0 for off."""
     return {"melspec": MELSPEC in config, "tokens": TOKENS in config, "trim": trim_of(config),
-            "pin": PIN in config}
+            "gather": GATHER_MS if GATHER in config else 0.0, "pin": PIN in config}
 
 
 def ab_refusal(configs: list[str], windows: int) -> str | None:
@@ -104,7 +115,8 @@ def ab_refusal(configs: list[str], windows: int) -> str | None:
     if len(configs) < 2:
         return "needs two or more of the project's configurations"
     if len({base_of(c) for c in configs}) != 1:
-        return "the configurations must differ only in +melspec, +tokens, +trim, +keys or +pin"
+        return ("the configurations must differ only in +melspec, +tokens, +trim, +keys, "
+                "+gather or +pin")
     if len({json.dumps(levers_of(c), sort_keys=True) for c in configs}) != len(configs):
         return "two configurations run the same levers"
     if windows < 2 * len(configs):

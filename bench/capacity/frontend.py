@@ -232,6 +232,7 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
         melspec = await switch_lever(backend, "set_melspec", bool(cmd.get("melspec")))
         tokens = await switch_lever(backend, "set_token_writes", bool(cmd.get("tokens")))
         trim = await switch_lever(backend, "set_window_trim", cmd.get("trim") or False)
+        gather = await switch_lever(backend, "set_tick_gather", float(cmd.get("gather") or 0))
         if cmd.get("melspec") and not melspec.get("on"):
             conn.send({"error": f"sync-free spectrogram refused: {melspec.get('why_not')}"})
             continue
@@ -240,6 +241,9 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
             continue
         if cmd.get("trim") and trim.get("mode") != cmd.get("trim"):
             conn.send({"error": f"window-trimmed attention refused: {trim.get('why_not')}"})
+            continue
+        if cmd.get("gather") and not gather.get("on"):
+            conn.send({"error": f"tick gather refused: {gather.get('why_not')}"})
             continue
         pin_at = tuple(cmd.get("pin_at") or (0, 1))
         try:  # before the phase's VAD helpers start: they inherit this process's CPUs
@@ -367,10 +371,10 @@ async def _front_end_async(conn: Connection, options: VllmEngineOptions) -> None
 
 async def set_levers(backend: Any, levers: dict[str, Any],
                      pin_at: tuple[int, ...] = (0, 1)) -> dict[str, Any]:
-    """Switch the engine core's three levers to `levers` (melspec, tokens: bool; trim:
-    False, "blocks" or "keys"), and pinning (`pin`, this front end's slot of `pin_at`), and
-    say what runs; a lever that will not switch fails the window (an A/B whose B did not
-    run is no A/B)."""
+    """Switch the engine core's four levers to `levers` (melspec, tokens: bool; trim:
+    False, "blocks" or "keys"; gather: its window in ms, 0 off), and pinning (`pin`, this
+    front end's slot of `pin_at`), and say what runs; a lever that will not switch fails
+    the window (an A/B whose B did not run is no A/B)."""
     said: dict[str, Any] = {"pin": bool(pin_cpus(bool(levers.get("pin")), *pin_at))}
     for setter, key in (("set_melspec", "melspec"), ("set_token_writes", "tokens"),
                         ("set_window_trim", "trim")):
@@ -380,6 +384,11 @@ async def set_levers(backend: Any, levers: dict[str, Any],
         if got != want:
             raise RuntimeError(f"{key} {want!r} refused: {answer.get('why_not')}")
         said[key] = got
+    window = float(levers.get("gather") or 0)
+    answer = await switch_lever(backend, "set_tick_gather", window)
+    if window and not answer.get("on"):
+        raise RuntimeError(f"gather {window!r} refused: {answer.get('why_not')}")
+    said["gather"] = window if answer.get("on") else 0.0
     return said
 
 
@@ -411,7 +420,7 @@ class FrontEnd:
     async def phase(self, path: str, n: int, seconds: float, first: int,
                     feed: str = "plain", age_frames: int = 0,
                     profile: str | None = None, melspec: bool = False,
-                    tokens: bool = False, trim: bool | str = False,
+                    tokens: bool = False, trim: bool | str = False, gather: float = 0.0,
                     segments: list[dict[str, Any]] | None = None,
                     barrier: asyncio.Barrier | None = None, pin: bool = False,
                     pin_at: tuple[int, int] = (0, 1), **strict: Any) -> dict[str, Any]:
@@ -422,7 +431,7 @@ class FrontEnd:
                         "first": first, "feed": feed, "age_frames": age_frames,
                         "age_concurrency": self.age_concurrency, "profile": profile,
                         "melspec": melspec, "tokens": tokens, "trim": trim,
-                        "pin": pin, "pin_at": list(pin_at),
+                        "gather": gather, "pin": pin, "pin_at": list(pin_at),
                         "segments": segments, "sync": barrier is not None, **strict})
         result: dict[str, Any] = await asyncio.to_thread(self.conn.recv)
         if barrier is not None and "ready" in result:  # aged: start the windows together

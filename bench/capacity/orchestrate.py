@@ -65,8 +65,24 @@ def ab_rows(configs: list[str], answers: list[dict[str, Any]], share: list[int],
                 for a in answers],
             "engine_core_us_per_chunk_by_front_end": [
                 round(statistics.fmean(a["segments"][j]["engine_core_us_per_chunk"]
-                                       for j in mine), 1) for a in answers]}
+                                       for j in mine), 1) for a in answers],
+            **window_steps(answers, mine)}
     return rows
+
+
+def window_steps(answers: list[dict[str, Any]], mine: list[int]) -> dict[str, Any]:
+    """How a configuration's windows batched: its engines' steps per second of window
+    (the mean engine), requests per step and their quantiles, and the engines' counts
+    summed (`counted_in_windows`: steps, histograms, the tick gather's). Nothing where the
+    engines count no steps (stock, or a worker from before the counts)."""
+    from bench.capacity.strict import add_counts, step_rate
+
+    counted = add_counts([a["segments"][j].get("counted") or {} for a in answers for j in mine])
+    if not counted.get("steps") or not answers:
+        return {}
+    seconds = sum(statistics.fmean(a["segments"][j]["t1"] - a["segments"][j]["t0"]
+                                   for a in answers) for j in mine)
+    return {**step_rate(counted, seconds * len(answers)), "counted_in_windows": counted}
 
 
 async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: float,
@@ -98,7 +114,8 @@ async def run_config(fronts: dict[int, FrontEnd], config: str, n: int, seconds: 
                         str(Path(profile_dir) / f"{tag.replace('+', '_')}-fe{f}.txt")
                         if profile_dir else None,
                         melspec=levers["melspec"], tokens=levers["tokens"],
-                        trim=levers["trim"], segments=segments, barrier=barrier,
+                        trim=levers["trim"], gather=levers["gather"],
+                        segments=segments, barrier=barrier,
                         pin=levers["pin"], pin_at=(slot, len(parts)))
         for slot, ((f, p), k, first) in enumerate(zip(parts, share, firsts, strict=True))),
         return_exceptions=True)

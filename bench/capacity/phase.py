@@ -119,14 +119,18 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
         assert segments is not None
         for switch in segments:
             said = await switch()
+            before = await counters() if counters is not None else {}
             counts, cpu, kids = [h[1]() for h in handles], time.process_time(), _children_cpu_s()
             t = time.monotonic()
             await asyncio.sleep(window_s)
             elapsed = time.monotonic() - t
             chunks = max(1, round(n * elapsed / 0.08))
             kids_after = _children_cpu_s()
+            # the engine's steps in the window (how it batched), beside its CPU
+            after = await counters() if counters is not None else {}
             windows.append({
                 "said": said, "t0": t, "t1": t + elapsed,
+                **({"counted": _counter_diff(before, after)} if before and after else {}),
                 "fps": [(h[1]() - c) / elapsed for h, c in zip(handles, counts, strict=True)],
                 "front_end_us_per_chunk": (time.process_time() - cpu) / chunks * 1e6,
                 "engine_core_us_per_chunk": (kids_after[0] - kids[0]) / chunks * 1e6,
@@ -275,6 +279,11 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
             b, a = before.get(hist) or {}, after[hist]
             diff = {k: int(v) - int(b.get(k, 0)) for k, v in a.items()}
             out[hist] = {k: v for k, v in sorted(diff.items(), key=lambda kv: int(kv[0])) if v}
+    if "tick_gather" in after:  # the gather's counts (its window as it ended the window)
+        b, a = before.get("tick_gather") or {}, after["tick_gather"]
+        out["tick_gather"] = {"window_ms": a.get("window_ms"), **{
+            k: int(a.get(k, 0)) - int(b.get(k, 0))
+            for k in ("ticks", "held_ticks", "holds", "timed_out")}}
     return out
 
 

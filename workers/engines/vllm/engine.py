@@ -113,10 +113,10 @@ def _log_lever(name: str, answer: dict[str, Any]) -> None:
              "on" if answer.get("on") else f"off ({answer.get('why_not')})")
 
 
-async def switch_lever(backend: Any, setter: str, on: bool | str) -> dict[str, Any]:
+async def switch_lever(backend: Any, setter: str, on: bool | str | float) -> dict[str, Any]:
     """Switch an engine-core lever through `backend.<setter>(on)` (`set_melspec`,
-    `set_token_writes`, `set_window_trim`); a backend without it, or a switch that fails,
-    leaves vLLM's own way on and says why."""
+    `set_token_writes`, `set_window_trim`, `set_tick_gather`); a backend without it, or a
+    switch that fails, leaves vLLM's own way on and says why."""
     try:
         return dict(await getattr(backend, setter)(on))
     except Exception as exc:
@@ -196,7 +196,13 @@ class _AsyncLLMBackend:
         range (reanchor/window_trim.py)."""
         return await self._plugin_switch("babelcast_window_trim", on)
 
-    async def _plugin_switch(self, method: str, on: bool | str) -> dict[str, Any]:
+    async def set_tick_gather(self, window_ms: float) -> dict[str, Any]:
+        """An idle engine's first step of a tick held up to `window_ms` for the tick's
+        other chunks, or each step as vLLM starts it (0; reanchor/gather.py). Benchmarks
+        only until measured on a GPU: no event setting switches it."""
+        return await self._plugin_switch("babelcast_tick_gather", float(window_ms))
+
+    async def _plugin_switch(self, method: str, on: bool | str | float) -> dict[str, Any]:
         """Only the plugin worker has the engine-core levers."""
         if not self.reanchor_requested:
             return {"on": False, "why_not": "the plugin worker is not loaded"}

@@ -44,10 +44,12 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from workers.engines.vllm.options import KV_TRACE_ENV as TRACE_ENV
+from workers.engines.vllm.reanchor.gather import GATHER
 from workers.engines.vllm.reanchor.plan import (
     CannotReanchor,
     Geometry,
@@ -254,7 +256,18 @@ class _ReanchorMixin:
             self._bc_reanchor_due()
         if self._bc_preempt_due:
             self._bc_test_preempt()
-        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        held = GATHER.window_s > 0 and self._bc_hold()
+        if held:  # vLLM's own pause of new work, for this call only (gather.py)
+            paused = self._pause_state  # type: ignore[has-type]
+            self._pause_state = PauseState.PAUSED_NEW
+            try:
+                out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+            finally:
+                self._pause_state = paused
+        else:
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if GATHER.window_s > 0:
+            GATHER.scheduled(len(out.num_scheduled_tokens))
         if self._bc_shifted:
             self._bc_shifted.difference_update(getattr(out, "finished_req_ids", ()) or ())
             preempted = (getattr(out, "preempted_req_ids", None) or set()) & self._bc_shifted
@@ -276,6 +289,23 @@ class _ReanchorMixin:
             if out.total_num_scheduled_tokens > 0:
                 self._bc_failures = {}
         return out
+
+    def _bc_hold(self) -> bool:
+        """The tick gather's question (gather.py), from vLLM's own counts: requests
+        waiting to be scheduled, streaming sessions parked without their next chunk,
+        and whether any request is running. Never raises: an error turns it off."""
+        try:
+            if getattr(self, "_pause_state", None) != PauseState.UNPAUSED:
+                return False  # paused by vLLM itself: not ours to touch
+            parked = int(self.num_waiting_for_streaming_input)  # type: ignore[attr-defined]
+            ready = (len(self.waiting) + len(self.skipped_waiting)  # type: ignore[attr-defined]
+                     - parked)
+            return GATHER.hold(time.monotonic(), ready, parked,
+                               bool(self.running))  # type: ignore[attr-defined]
+        except Exception as exc:
+            log.warning("babelcast tick gather is off: %s", exc)
+            GATHER.switch(0)
+            return False
 
     def _bc_write_trace(self) -> None:
         """Benchmarks only (TRACE_ENV): where the KV cache is, and the steps with tokens

@@ -1,0 +1,111 @@
+"""A tick's chunks gathered into one engine step (the engine-core lever `tick_gather_ms`).
+
+On the shared feed tick (`aligned_feed_ms`) an engine's caught-up sessions hand their
+chunks to the front end in one turn of its event loop, but the front end sends them to
+the engine core one message each, and an idle engine core starts a step on the first to
+arrive. With vLLM's async scheduling the rest go into the next step, queued behind it:
+on the H200 every engine took **two steps per 80 ms tick** (25.0-25.5 steps a second at
+12.5 requests a step, 2026-12-05, bench/results/capacity_h200/), each with the engine
+core's fixed cost (two levels fit ~10 ms of engine-core CPU per step and ~1.2 ms per
+request: a fit of two points, not a measurement of either).
+
+Switched on, the scheduler holds an idle engine's first step of a tick, for at most the
+window, until as many chunks wait as the last tick carried (or no session is left
+without its chunk). Then one step takes them all. Never held:
+- a busy engine (a request running: a step in flight or a prefill going on), so an engine
+  that is behind is never slowed;
+- past the window from the first chunk it saw, so a late or missing session costs at
+  most the window, once a tick;
+- when the last tick's count is unknown (the first tick, or after the lever is switched).
+While it holds, the scheduler returns an empty step (vLLM's own `PAUSED_NEW`: waiting
+requests are not scheduled, running ones would be), and the engine core polls its inputs
+again a millisecond later.
+
+NOT YET MEASURED on a GPU (written 2026-12-05 while no H200 was lent): off unless a
+benchmark or the engine option asks for it. `python -m bench.capacity.strict --config
+…+gather` runs it; its A/B against the same configuration without it says whether it
+saves what the fit above suggests. This module imports no vLLM: the logic is tested on
+the CPU (tests/test_tick_gather.py), the scheduler applies it (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TickGather:
+    """One engine core's gather state. The worker switches it (collective_rpc, worker
+    thread), the scheduler consults it (engine-core thread): `switch` and `counts` take
+    the lock; `hold` and `scheduled` run in the scheduler's thread only."""
+
+    window_s: float = 0.0  # 0: off
+    holds: int = 0  # schedule() calls that held
+    ticks: int = 0  # ticks that began with the engine idle
+    held_ticks: int = 0  # of those, ticks whose first step was held at least once
+    timed_out: int = 0  # held ticks released by the window, not by the count
+    _opened: float | None = None  # when this tick's first chunk was seen
+    _target: int = 0  # chunks to wait for this tick
+    _last_tick: int = 0  # requests scheduled from the last tick's start to this one's
+    _since_open: int = 0  # requests scheduled since the last tick opened
+    _held_this: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def switch(self, window_ms: float) -> dict[str, Any]:
+        if window_ms < 0 or window_ms > 40:
+            raise ValueError(f"tick_gather_ms must be 0-40 (half an 80 ms tick), not {window_ms}")
+        with self._lock:
+            self.window_s = window_ms / 1000
+            self._opened, self._last_tick, self._since_open = None, 0, 0
+        return {"on": window_ms > 0, "window_ms": window_ms}
+
+    def counts(self) -> dict[str, Any]:
+        with self._lock:
+            return {"window_ms": round(self.window_s * 1000, 3), "ticks": self.ticks,
+                    "held_ticks": self.held_ticks, "holds": self.holds,
+                    "timed_out": self.timed_out}
+
+    def hold(self, now: float, ready: int, parked: int, busy: bool) -> bool:
+        """Whether this schedule() should leave the waiting chunks for a moment.
+        `ready`: requests waiting to be scheduled; `parked`: streaming sessions still
+        without their next chunk; `busy`: a request is running."""
+        if self.window_s <= 0 or ready == 0:
+            return False
+        if self._opened is None:
+            if busy:
+                return False  # no tick starts on a busy engine: its chunks go as they come
+            self._opened = now
+            self._last_tick, self._since_open = self._since_open, 0
+            self._target = min(self._last_tick, ready + parked)
+            self._held_this = False
+            self.ticks += 1
+        if busy or ready >= self._target or parked == 0:
+            return False
+        if now - self._opened >= self.window_s:
+            if self._held_this:
+                self.timed_out += 1
+                self._held_this = False  # counted once
+            return False
+        if not self._held_this:
+            self.held_ticks += 1
+            self._held_this = True
+        self.holds += 1
+        return True
+
+    def scheduled(self, requests: int) -> None:
+        """After a schedule(): `requests` were scheduled (0 for an empty step). A tick
+        ends at its first step with requests; what comes after it counts towards it
+        until the next tick opens."""
+        if self._opened is None:
+            self._since_open += requests
+            return
+        if requests:
+            self._since_open += requests
+            self._opened = None
+            self._held_this = False
+
+
+GATHER = TickGather()
+"""This engine-core process's gather (the worker switches it, the scheduler reads it)."""
