@@ -44,7 +44,6 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -61,6 +60,11 @@ from workers.engines.vllm.reanchor.plan import (
 )
 
 log = logging.getLogger(__name__)
+
+try:  # the tick gather's hold (gather.py); a vLLM without it keeps the gather off
+    from vllm.v1.core.sched.interface import PauseState
+except ImportError:  # pragma: no cover - vLLM 0.26 has it
+    PauseState = None
 
 EXTRA_ARG = "babelcast_reanchor_every"
 FAULT_ARG = "babelcast_reanchor_fault"
@@ -295,6 +299,8 @@ class _ReanchorMixin:
         waiting to be scheduled, streaming sessions parked without their next chunk,
         and whether any request is running. Never raises: an error turns it off."""
         try:
+            if PauseState is None:
+                raise RuntimeError("this vLLM's scheduler has no PauseState")
             if getattr(self, "_pause_state", None) != PauseState.UNPAUSED:
                 return False  # paused by vLLM itself: not ours to touch
             parked = int(self.num_waiting_for_streaming_input)  # type: ignore[attr-defined]
