@@ -78,7 +78,7 @@ def window_steps(answers: list[dict[str, Any]], mine: list[int]) -> dict[str, An
     from bench.capacity.strict import add_counts, step_rate
 
     counted = add_counts([a["segments"][j].get("counted") or {} for a in answers for j in mine])
-    if not counted.get("steps") or not answers:
+    if not counted.get("steps"):
         return {}
     seconds = sum(statistics.fmean(a["segments"][j]["t1"] - a["segments"][j]["t0"]
                                    for a in answers) for j in mine)

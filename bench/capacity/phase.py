@@ -126,15 +126,17 @@ async def _phase(n: int, seconds: float, audio: np.ndarray,
             elapsed = time.monotonic() - t
             chunks = max(1, round(n * elapsed / 0.08))
             kids_after = _children_cpu_s()
-            # the engine's steps in the window (how it batched), beside its CPU
-            after = await counters() if counters is not None else {}
             windows.append({
                 "said": said, "t0": t, "t1": t + elapsed,
-                **({"counted": _counter_diff(before, after)} if before and after else {}),
                 "fps": [(h[1]() - c) / elapsed for h, c in zip(handles, counts, strict=True)],
                 "front_end_us_per_chunk": (time.process_time() - cpu) / chunks * 1e6,
                 "engine_core_us_per_chunk": (kids_after[0] - kids[0]) / chunks * 1e6,
                 "helpers_us_per_chunk": (kids_after[1] - kids[1]) / chunks * 1e6})
+            # the engine's steps in the window (how it batched), read after its frames and
+            # CPU so the call's own time counts in neither
+            after = await counters() if counters is not None else {}
+            if before and after:
+                windows[-1]["counted"] = _counter_diff(before, after)
 
     fed = [0] * (n + controls)
     windows_done = asyncio.Event()

@@ -1,4 +1,4 @@
-"""A tick's chunks gathered into one engine step (the engine-core lever `tick_gather_ms`).
+"""A tick's chunks gathered into one engine step (an engine-core lever, `+gather` in the benches).
 
 On the shared feed tick (`aligned_feed_ms`) an engine's caught-up sessions hand their
 chunks to the front end in one turn of its event loop, but the front end sends them to
@@ -22,10 +22,11 @@ requests are not scheduled, running ones would be), and the engine core polls it
 again a millisecond later.
 
 NOT YET MEASURED on a GPU (written 2026-12-05 while no H200 was lent): off unless a
-benchmark or the engine option asks for it. `python -m bench.capacity.strict --config
-…+gather` runs it; its A/B against the same configuration without it says whether it
-saves what the fit above suggests. This module imports no vLLM: the logic is tested on
-the CPU (tests/test_tick_gather.py), the scheduler applies it (scheduler.py).
+benchmark asks for it (no engine option or event setting switches it yet). `python -m
+bench.capacity.strict --config …+gather` runs it; the same level without it, on the same
+host, says whether it saves what the fit above suggests. This module imports no vLLM:
+the logic is tested on the CPU (tests/test_tick_gather.py), the scheduler applies it
+(scheduler.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class TickGather:
 
     def switch(self, window_ms: float) -> dict[str, Any]:
         if window_ms < 0 or window_ms > 40:
-            raise ValueError(f"tick_gather_ms must be 0-40 (half an 80 ms tick), not {window_ms}")
+            raise ValueError(f"the gather's window must be 0-40 ms (half a tick), not {window_ms}")
         with self._lock:
             self.window_s = window_ms / 1000
             self._opened, self._last_tick, self._since_open = None, 0, 0
