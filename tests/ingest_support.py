@@ -209,6 +209,50 @@ class Encoder:
         return self._walls[i] - (self._ends[i] - pos) / SAMPLE_RATE
 
 
+class TimedWhisperEngine(EmbeddedWhisperEngine):
+    """Test tool: the real embedded engine, plus the wall-clock span of every decode its
+    one thread ran. The rooms of an actor share that thread, so a room's wait for its
+    next caption is its own audio's time plus the thread's busy time on the others' turns;
+    `busy_s` gives the second for any stretch of time."""
+
+    def __init__(self, options: EmbeddedEngineOptions) -> None:
+        super().__init__(options)
+        self.spans: list[tuple[float, float]] = []  # (start, end), time.time()
+
+    def _decode_sync(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.time()
+        try:
+            return super()._decode_sync(*args, **kwargs)
+        finally:
+            self.spans.append((t0, time.time()))  # list.append: safe from the thread
+
+    def busy_s(self, t0: float, t1: float) -> float:
+        """Seconds of [t0, t1] the decode thread spent decoding (any room's audio)."""
+        return sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in list(self.spans))
+
+
+async def first_write_after(path: Path, since: float, timeout_s: float,
+                            every_s: float = 0.01) -> float:
+    """When `path` was first written (replaced or modified) after `since` (time.time()),
+    by its own mtime; polled every `every_s`. An HLS encoder writes its playlist once a
+    segment is whole, so for a restarted encoder this is when its first audio became
+    available to any reader."""
+    def mtime() -> float | None:
+        try:
+            return path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        at = mtime()
+        if at is not None and at > since:
+            return at
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} was not written within {timeout_s} s")
+        await asyncio.sleep(every_s)
+
+
 class RecordingEngine(WrappedEngine):
     """Test tool: the real engine, plus a copy of every chunk its sessions get (real
     audio and the session manager's filler alike), per stream."""
@@ -284,13 +328,15 @@ class Pipeline:
     bus: RedisBus | None = None
     streams: dict[str, StreamOptions] = field(default_factory=dict)
     engine: RecordingEngine | None = None
+    whisper: TimedWhisperEngine | None = None
 
     async def start(self) -> None:
         self.bus = RedisBus(Redis.from_url(self.redis_url))
         self.ingest = IngestHost(IngestHostOptions(actor_id="ingest-0",
                                                    redis_url=self.redis_url))
-        self.engine = RecordingEngine(
-            EmbeddedWhisperEngine(EmbeddedEngineOptions(model=self.model, cpu_threads=2)))
+        self.whisper = TimedWhisperEngine(
+            EmbeddedEngineOptions(model=self.model, cpu_threads=2))
+        self.engine = RecordingEngine(self.whisper)
         self.asr = AsrHost(AsrHostOptions(actor_id="asr-0", redis_url=self.redis_url,
                                           max_streams=self.max_streams, read_block_ms=100),
                            self.engine)

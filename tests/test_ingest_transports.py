@@ -8,8 +8,10 @@ sockets, the ingest and ASR hosts with the embedded Whisper engine, a real Redis
 - SRT listener with default settings: over a minute of speech with no real audio
   thrown away, and a WER within one point of a file source of the same speech.
 - An encoder killed for 20 s and restarted, on every transport at once: each
-  room says `source lost` within 5 s and captions again within 5 s of the
-  encoder's return, from its first second of speech.
+  room says `source lost` within 5 s, its audio is back within 4 s of the
+  encoder having audio to send, from its first second of speech, and its next
+  caption waits on nothing but its own speech and the shared decode thread's
+  turns (measured per room, not guessed).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tests.ingest_support import (
     Encoder,
     Pipeline,
     caption_delays,
+    first_write_after,
     from_beep,
     offline_text,
     pipeline,
@@ -41,6 +44,7 @@ from tests.ingest_support import (
 )
 from tests.speech import AUDIO, decode_pcm16, normalize
 from workers.bus import audio_key
+from workers.engines.embedded_options import EmbeddedEngineOptions
 from workers.events import SAMPLE_RATE
 
 pytestmark = [pytest.mark.integration,
@@ -51,6 +55,19 @@ ROOM_B = decode_pcm16(AUDIO / "room-b.flac")
 TEXT_A = normalize((AUDIO / "room-a.txt").read_text())
 TEXT_B = normalize((AUDIO / "room-b.txt").read_text())
 SILENCE_2S = bytes(2 * SAMPLE_RATE * 2)
+STEP_S = EmbeddedEngineOptions().step_s
+"""Speech a session gathers between interims (the pipeline's engine keeps the default)."""
+
+
+def speech_onset_s(pcm: bytes, frame_s: float = 0.02) -> float:
+    """Where speech starts in `pcm`: its first frame louder than a tenth of its loudest."""
+    x = np.frombuffer(pcm, dtype="<i2").astype(np.float64)
+    n = int(frame_s * SAMPLE_RATE)
+    rms = np.sqrt((x[: x.size // n * n].reshape(-1, n) ** 2).mean(axis=1))
+    return float(np.flatnonzero(rms > rms.max() / 10)[0] * frame_s)
+
+
+FIRST_WORD_S = speech_onset_s(ROOM_B)
 
 
 def finals(captions: list[Any]) -> str:
@@ -230,22 +247,33 @@ async def test_an_encoder_killed_for_20_s_is_shown_lost_and_captioned_again_on_e
             for enc in encoders.values():
                 await enc.start(ROOM_A + ROOM_A)  # longer than it will get to play
             results = await asyncio.gather(*(
-                outage(run, name, encoders[name]) for name in TRANSPORTS))
+                outage(run, name, encoders[name],
+                       www / name / "live.m3u8" if name == "hls" else None)
+                for name in TRANSPORTS))
     report = dict(zip(TRANSPORTS, results, strict=True))
     print(json.dumps(report))
     for name, r in report.items():
         assert r["lost_after_s"] <= 5.0, (name, report)
-        # The transport's part of the return: its first audio in Redis.
-        assert r["audio_after_s"] <= 4.0, (name, report)
-        # The caption after it waits for a decode turn on the one thread all five rooms
-        # share: 1.3-1.9 s for the four that return first, 3.8-6.1 s for HLS (2 cores),
-        # which returns ~2 s later, as the others stop talking and queue their 30 s
-        # final decodes ahead of it. So this bound only says "captioned again, soon".
-        assert r["captions_after_s"] - r["audio_after_s"] <= 8.0, (name, report)
+        # The transport's part of the return: from when the encoder had audio to send
+        # (an HLS encoder: when it listed its first segment, a segment's length after it
+        # started; the others: at once) to that audio's first chunk in Redis. 4 s: the
+        # slowest retry of these transports (SRT caller: a 1 s connect timeout, then 1 s
+        # of backoff) and 2 s for an encoder's process to start and be read on 2 busy cores.
+        assert r["audio_after_s"] - r["available_after_s"] <= 4.0, (name, report)
+        # The caption after it waits for its turn on the one decode thread all five rooms
+        # share, behind the others' queued decodes (finals go first): that busy time is
+        # measured, not bounded. What is bounded is the rest, the time the thread was free
+        # while the room still had no caption: the room's own audio has to come (its first
+        # word, then `step_s` = 1 s of speech before an interim; 2 steps if the first shows
+        # no word of the talk yet) plus its publication and this test's 0.1 s poll.
+        assert r["idle_before_caption_s"] <= FIRST_WORD_S + 2 * STEP_S + 1.0, (name, report)
         assert r["first_audio_from_s"] <= 0.3, (name, report)
 
 
-async def outage(run: Pipeline, name: str, encoder: Encoder) -> dict[str, float]:
+async def outage(run: Pipeline, name: str, encoder: Encoder,
+                 playlist: Path | None) -> dict[str, float]:
+    """`playlist`: an HLS encoder's, whose first write after the return says when its
+    audio became available."""
     async def captioning() -> bool:
         return (await run.room(name))["state"] == "captioning"
 
@@ -258,17 +286,20 @@ async def outage(run: Pipeline, name: str, encoder: Encoder) -> dict[str, float]
 
     lost_at = await until(lost, 15, f"{name}: the room to say source lost")
     await asyncio.sleep(20 - (time.time() - killed))
-    assert run.bus is not None
+    assert run.bus is not None and run.whisper is not None
     before = (await run.bus.redis.xrevrange(audio_key(name), count=1))[0][0]
     seen = {c.seq for c in await run.captions(name)}
     await encoder.start(ROOM_B + SILENCE_2S)
     back = encoder.started_at
+    listed = (asyncio.create_task(first_write_after(playlist, back, 20))
+              if playlist is not None else None)
 
     async def captioned_again() -> bool:
         new = [c for c in await run.captions(name) if c.seq not in seen and c.text]
         return any(set(normalize(c.text).split()) & set(TEXT_B.split()) for c in new)
 
     again_at = await until(captioned_again, 20, f"{name}: captions after the return")
+    available = await listed if listed is not None else back
 
     async def heard() -> list[dict[bytes, bytes]]:
         """The audio entries written since the encoder came back."""
@@ -289,9 +320,13 @@ async def outage(run: Pipeline, name: str, encoder: Encoder) -> dict[str, float]
     # When the first audio after the return reached Redis (a chunk's wall is the
     # capture time of its end): the transport's part of captions_after_s.
     first = float(after[0][b"wall"]) - len(after[0][b"pcm"]) / 2 / SAMPLE_RATE
+    busy = run.whisper.busy_s(first, again_at)
     return {"lost_after_s": round(lost_at - killed, 2),
+            "available_after_s": round(available - back, 2),
             "audio_after_s": round(first - back, 2),
             "captions_after_s": round(again_at - back, 2),
+            "decode_busy_s": round(busy, 2),
+            "idle_before_caption_s": round(again_at - first - busy, 2),
             "first_audio_from_s": round(where_in(pcm, ROOM_B), 2)}
 
 
