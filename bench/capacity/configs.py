@@ -26,9 +26,10 @@ KEYS = "+keys"
 GATHER = "+gather"
 """…with an idle engine's first step of a tick held for the tick's other chunks, up to
 GATHER_MS (engine-core lever, workers/engines/vllm/reanchor/gather.py), switched per
-phase the same way. Not yet run on a GPU: its first measurement is a strict level with
-it and the same level without it on one host (the in-phase A/B of bench.voxtral_capacity
-feeds in lock step, with no tick)."""
+phase the same way. First run on one H100 engine (bench/results/gather_h100/: one step
+a tick instead of two, 1.94 x less engine-core CPU per chunk); its worth at the knee is a
+strict level with it and the same level without it on one H200 host (the in-phase A/B of
+bench.voxtral_capacity feeds in lock step, with no tick)."""
 GATHER_MS = 5.0
 """The gather's window: at most this long after a tick's first chunk (6 % of the 80 ms
 tick). A guess to be measured: the front end sends a tick's chunks one message each, and
