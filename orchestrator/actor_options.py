@@ -105,6 +105,7 @@ def engine_options(cfg: EventConfig) -> EngineOptions:
             incremental_token_writes=v.incremental_token_writes,
             window_trim=v.window_trim, engines_per_gpu=v.engines_per_gpu,
             cuda_mps=v.cuda_mps, aligned_feed_ms=v.aligned_feed_ms,
+            tick_gather_ms=v.tick_gather_ms,
             kv_cache_memory_bytes=(round(v.kv_cache_gib * 2**30) if v.kv_cache_gib else None),
         )
     if e.kind == "realtime-ws":

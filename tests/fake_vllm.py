@@ -75,6 +75,10 @@ class FakeVllmBackend:
         default_factory=lambda: {"supported": False, "why_not": "fake: no plugin worker"})
     """The plugin worker's probe (`babelcast_reanchor_probe`), or what asking it raises."""
 
+    gather_asked: list[float] = field(default_factory=list)
+    """Every window `set_tick_gather` was asked for, in ms."""
+    gather_answer: dict[str, Any] | Exception | None = None
+    """What `set_tick_gather` answers or raises; None: the worker's own answer."""
     direct_answer: dict[str, Any] | Exception = field(
         default_factory=lambda: {"prompts": 30, "equal": True, "mismatches": []})
     """direct.check_equal_async's report (its keys), or what running it raises."""
@@ -167,6 +171,15 @@ class FakeVllmBackend:
 
     async def reanchor_stats(self) -> dict[str, Any] | None:
         return self.stats
+
+    async def set_tick_gather(self, window_ms: float) -> dict[str, Any]:
+        """The plugin worker's answer (reanchor/gather.py `TickGather.switch`'s keys), or
+        `gather_answer` where the test scripts a refusal; the FAKE has no engine core to
+        hold steps in: what holding does is measured on a GPU (bench/results/gather_h100)."""
+        self.gather_asked.append(window_ms)
+        if isinstance(self.gather_answer, Exception):
+            raise self.gather_answer
+        return self.gather_answer or {"on": window_ms > 0, "window_ms": window_ms}
 
     def shutdown(self) -> None:
         self.shutdowns += 1

@@ -454,6 +454,31 @@ def test_a_fixed_kv_cache_reaches_the_engine_and_a_bad_one_names_its_line(
     assert issue.file == str(cfg) and issue.line == 7 and "kv_cache_gib" in issue.key
 
 
+def test_the_tick_gather_reaches_the_engine_off_by_default_and_only_with_the_tick(
+        tmp_path: Path) -> None:
+    from orchestrator.actor_options import engine_options
+
+    head = "event: e\nengine:\n  kind: vllm\n  model: /m\n  vllm:\n    engines_per_gpu: 3\n"
+    tail = "streams:\n  - {id: a, source: push}\n"
+    cfg = write(tmp_path, head + tail)
+    assert engine_options(load_event(cfg)).tick_gather_ms == 0  # type: ignore[union-attr]
+    budget = load_event(cfg).engine.streams_per_actor
+    cfg.write_text(head + "    tick_gather_ms: 5\n" + tail)
+    assert engine_options(load_event(cfg)).tick_gather_ms == 5  # type: ignore[union-attr]
+    # It does not change the budget: no strict level has measured it yet.
+    assert load_event(cfg).engine.streams_per_actor == budget
+    # Without the tick it has nothing to gather; past half a tick it is refused.
+    for bad, why in (("    aligned_feed_ms: 0\n    tick_gather_ms: 5\n", "aligned_feed_ms"),
+                     ("    tick_gather_ms: 41\n", "40")):
+        cfg.write_text(head + bad + tail)
+        with pytest.raises(ConfigError) as err:
+            load_event(cfg)
+        (issue,) = err.value.errors
+        assert issue.file == str(cfg) and "tick_gather_ms" in issue.key, issue
+        assert issue.line == head.count("\n") + bad.count("\n"), issue
+        assert why in issue.message, issue
+
+
 def test_a_cluster_needs_a_redis_every_node_reaches(tmp_path: Path) -> None:
     from orchestrator.runtime import ray_namespace
 

@@ -684,6 +684,33 @@ def test_direct_input_runs_only_where_its_check_at_start_finds_it_equal_to_the_r
         assert backend.direct_checks == 0
 
 
+def test_the_tick_gather_is_asked_for_at_start_only_on_the_tick_and_health_says_so(
+        tmp_path: Path) -> None:
+    """`tick_gather_ms` is switched on through the plugin worker once the engine started,
+    and only on the tick it gathers for; health says whether it holds. The worker's
+    answer is the FAKE backend's: the holding itself runs in vLLM's scheduler on a GPU."""
+    def start(backend: FakeVllmBackend, **opts: object) -> dict[str, str]:
+        return run(started_health(built(backend, tmp_path, **opts)))  # type: ignore[return-value]
+
+    on = FakeVllmBackend(version="0.26.0")
+    assert start(on, tick_gather_ms=5.0, aligned_feed_ms=80)["engine_tick_gather"] == "5 ms"
+    assert on.gather_asked == [5.0]
+    # Not asked for: off, and never switched (not even to 0).
+    off = FakeVllmBackend(version="0.26.0")
+    assert start(off, aligned_feed_ms=80)["engine_tick_gather"] == "off"
+    # Without the tick there is nothing to gather: the option is not passed on.
+    untimed = FakeVllmBackend(version="0.26.0")
+    assert start(untimed, tick_gather_ms=5.0)["engine_tick_gather"] == "off"
+    assert off.gather_asked == untimed.gather_asked == []
+    # A worker that refuses or fails leaves vLLM's own steps and the engine running.
+    for answer in ({"on": False, "why_not": "the plugin worker is not loaded"},
+                   RuntimeError("collective_rpc timed out")):
+        refused = FakeVllmBackend(version="0.26.0", gather_answer=answer)
+        assert start(refused, tick_gather_ms=5.0, aligned_feed_ms=80)[
+            "engine_tick_gather"] == "off"
+        assert refused.gather_asked == [5.0]
+
+
 def test_a_direct_input_check_that_does_not_answer_keeps_the_renderer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A renderer that hangs must not hang the engine's start: past its time the check

@@ -198,8 +198,8 @@ class _AsyncLLMBackend:
 
     async def set_tick_gather(self, window_ms: float) -> dict[str, Any]:
         """An idle engine's first step of a tick held up to `window_ms` for the tick's
-        other chunks, or each step as vLLM starts it (0; reanchor/gather.py). Benchmarks
-        only until measured on a GPU: no event setting switches it."""
+        other chunks, or each step as vLLM starts it (0; reanchor/gather.py). An event's
+        `engine.vllm.tick_gather_ms` (off by default), or a benchmark's `+gather`."""
         return await self._plugin_switch("babelcast_tick_gather", float(window_ms))
 
     async def _plugin_switch(self, method: str, on: bool | str | float) -> dict[str, Any]:
@@ -296,6 +296,7 @@ class VllmVoxtralEngine(SpeechEngine):
         self.melspec: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.token_writes: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.window_trim: dict[str, Any] = {"on": False, "why_not": "not asked"}
+        self.tick_gather: dict[str, Any] = {"on": False, "why_not": "not asked"}
         self.reanchor_counts: dict[str, Any] = {}
         self._shifts: dict[str, int] = {}  # our request id → positions shifted so far
         self._stats_task: asyncio.Task[None] | None = None
@@ -345,6 +346,10 @@ class VllmVoxtralEngine(SpeechEngine):
             self.window_trim = await switch_lever(real, "set_window_trim", True)
             _log_lever(f"window-trimmed attention ({self.window_trim.get('mode')})",
                        self.window_trim)
+        if self.options.tick_gather_ms and self.feed_grid is not None:
+            self.tick_gather = await switch_lever(real, "set_tick_gather",
+                                                  float(self.options.tick_gather_ms))
+            _log_lever(f"tick gather ({self.options.tick_gather_ms:g} ms)", self.tick_gather)
         self._start_stats()
 
     def _start_stats(self) -> None:
@@ -414,6 +419,8 @@ class VllmVoxtralEngine(SpeechEngine):
                                      if self.window_trim.get("on") else "vllm"),
                 "engine_feed": (f"aligned {self.options.aligned_feed_ms} ms"
                                 if self.feed_grid else "as it arrives"),
+                "engine_tick_gather": (f"{self.options.tick_gather_ms:g} ms"
+                                       if self.tick_gather.get("on") else "off"),
                 "engine_mps": "on" if self.mps_served else "off",
                 "engine_mps_why": self.mps_why or "",
                 "engine_session_slots": str(self.max_sessions),
