@@ -298,8 +298,12 @@ async def outage(run: Pipeline, name: str, encoder: Encoder,
         new = [c for c in await run.captions(name) if c.seq not in seen and c.text]
         return any(set(normalize(c.text).split()) & set(TEXT_B.split()) for c in new)
 
-    again_at = await until(captioned_again, 20, f"{name}: captions after the return")
-    available = await listed if listed is not None else back
+    try:
+        again_at = await until(captioned_again, 20, f"{name}: captions after the return")
+        available = await listed if listed is not None else back
+    finally:
+        if listed is not None:
+            listed.cancel()  # a failure above leaves no watcher behind
 
     async def heard() -> list[dict[bytes, bytes]]:
         """The audio entries written since the encoder came back."""
