@@ -10,13 +10,20 @@ vLLM 0.26's V2 runner checks: every feature a scheduled query overlaps has been 
 and not freed, else "Encoder cache miss" (which kills the engine core). Its negative
 control puts the old shift rule back (a kept feature at offset -1) and must see the miss.
 
+The tick gather (gather.py, `engine.vllm.tick_gather_ms`) is checked here too, on the
+same objects: a tick's chunks arriving one by one go to the model in one step while
+re-anchors happen, a late chunk costs its tick at most the window, an engine with a step
+in flight is never held; its negative control is the same arrivals with the gather off.
+
 Runs with the GPU tier (BABELCAST_VOXTRAL_DIR set; fails if vLLM is missing). It needs no
-GPU: with vLLM installed on a CPU host (its platform forced to CPU) it runs there too.
+GPU: with vLLM installed on a CPU host it runs there too (tests/gpu/cpu_platform.py says
+how).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,7 +47,7 @@ from workers.engines.vllm.reanchor.scheduler import (  # noqa: E402
 FIRST, CHUNK = 39, 2  # placeholder lengths vLLM 0.26 gives (mistral_common num_audio_tokens)
 
 
-def scheduler(window: int, max_model_len: int) -> Any:
+def scheduler(window: int, max_model_len: int, max_num_seqs: int = 4) -> Any:
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, resolve_kv_cache_block_sizes
@@ -48,7 +55,8 @@ def scheduler(window: int, max_model_len: int) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     cfg = EngineArgs(model=MODEL_DIR, tokenizer_mode="mistral", config_format="mistral",
-                     load_format="dummy", max_model_len=max_model_len, max_num_seqs=4,
+                     load_format="dummy", max_model_len=max_model_len,
+                     max_num_seqs=max_num_seqs,
                      enable_prefix_caching=False, limit_mm_per_prompt={"audio": 1},
                      enforce_eager=True, max_num_batched_tokens=2048,
                      async_scheduling=True).create_engine_config()
@@ -130,35 +138,52 @@ class Feed:
                              sampling_params=self.params[rid], pooling_params=None,
                              mm_features=[feature], resumable=True)
 
+    def schedule(self) -> Any:
+        """One schedule(), checked against the encoder cache model; its model output is
+        not applied yet (`sample`), as with vLLM's async scheduling."""
+        out = self.sched.schedule()
+        self.shifts += [r.shift for r in getattr(out, REANCHORS_ATTR, ())]
+        self.encoder.step(self.sched, out)
+        return out
+
+    def sample(self, out: Any) -> list[str]:
+        """The model output of a scheduled step applied: one blank for each request it
+        scheduled (none for an empty step). Returns those requests."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        stepped = list(out.num_scheduled_tokens)
+        self.engine_outputs = self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=stepped, req_id_to_index={r: i for i, r in enumerate(stepped)},
+            sampled_token_ids=[[32] for _ in stepped]))
+        for batch in self.engine_outputs.values():
+            for o in batch.outputs:
+                if o.finish_reason is not None:
+                    self.finishes.setdefault(o.request_id, []).append(o.finish_reason)
+                if str(o.finish_reason) == "error":
+                    self.errors.append(o.request_id)
+        return stepped
+
+    def arrive(self, rid: str) -> None:
+        """A session's next 80 ms chunk reaches the engine core."""
+        self.sched.add_request(self.chunk(rid, 1, CHUNK))
+        self.fed[rid] += 1
+
     def steps(self, stop_still_at: int | None = None) -> Iterator[Any]:
         """Schedule, check, sample, queue each stepped request's next chunk; yields each
         step's output before its model output is applied."""
-        from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import RequestStatus
 
         while True:
-            out = self.sched.schedule()
-            self.shifts += [r.shift for r in getattr(out, REANCHORS_ATTR, ())]
-            self.encoder.step(self.sched, out)
+            out = self.schedule()
             yield out
-            stepped = list(out.num_scheduled_tokens)
-            self.engine_outputs = self.sched.update_from_output(out, ModelRunnerOutput(
-                req_ids=stepped, req_id_to_index={r: i for i, r in enumerate(stepped)},
-                sampled_token_ids=[[32] for _ in stepped]))
-            for batch in self.engine_outputs.values():
-                for o in batch.outputs:
-                    if o.finish_reason is not None:
-                        self.finishes.setdefault(o.request_id, []).append(o.finish_reason)
-                    if str(o.finish_reason) == "error":
-                        self.errors.append(o.request_id)
+            stepped = self.sample(out)
             for rid in stepped:
                 req = self.sched.requests.get(rid)
                 if req is None or req.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
                     continue  # ended, or a recompute that has more to do
                 if stop_still_at is not None and rid == "still" and self.fed[rid] >= stop_still_at:
                     continue  # a stock session ends before the cap (the session budget)
-                self.sched.add_request(self.chunk(rid, 1, CHUNK))
-                self.fed[rid] += 1
+                self.arrive(rid)
 
 
 def sampling(every: int | None = None, **extra: Any) -> Any:
@@ -318,3 +343,145 @@ def test_a_failed_rotation_ends_its_request_with_an_error_and_no_token() -> None
     # a chunk the client sent before it saw the error does not start a new request
     sched.add_request(feed.chunk("moved", 1, CHUNK))
     assert "moved" not in sched.requests
+
+
+class Clock:
+    """The scheduler module's `time` for the tick gather's tests: the real module, but
+    `monotonic()` reads what the test sets. The gather's window is 5 ms; on a busy 2-core
+    box real time, not the test, would decide whether a hold ran out."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def gather(monkeypatch: pytest.MonkeyPatch) -> Iterator[Clock]:
+    """The tick gather on (5 ms, as `engine.vllm.tick_gather_ms: 5` sets it) in this
+    process's engine-core state, the scheduler on the test's clock; off again after."""
+    import workers.engines.vllm.reanchor.scheduler as sched_module
+    from workers.engines.vllm.reanchor.gather import GATHER
+
+    clock = Clock()
+    monkeypatch.setattr(sched_module, "time", clock)
+    GATHER.switch(5)
+    try:
+        yield clock
+    finally:
+        GATHER.switch(0)
+
+
+SESSIONS = [f"s{i}" for i in range(6)]
+
+
+def ticks(feed: Feed, clock: Clock, n: int) -> tuple[list[int], int]:
+    """`n` ticks of the shared 80 ms feed: each session's chunk reaches the engine core
+    0.5 ms after the one before (the front end sends them one message each), a
+    different session first each tick, and the engine core schedules after every
+    arrival, as its busy loop polls. Returns the requests of each step that had any
+    and how many steps were empty (held)."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    sizes, empty = [], 0
+    for tick in range(n):
+        clock.now += 0.080
+        order = SESSIONS[tick % len(SESSIONS):] + SESSIONS[:tick % len(SESSIONS)]
+        for rid in order:
+            feed.arrive(rid)
+            clock.now += 0.0005
+            out = feed.schedule()
+            assert feed.sched._pause_state == PauseState.UNPAUSED  # the hold is one call's
+            stepped = feed.sample(out)
+            if stepped:
+                sizes.append(len(stepped))
+            else:
+                empty += 1
+    return sizes, empty
+
+
+def parked_all(sched: Any) -> bool:
+    """Every session is back to waiting for its next chunk: none left waiting to run."""
+    from vllm.v1.request import RequestStatus
+
+    return (len(sched.waiting) + len(sched.skipped_waiting)
+            == sched.num_waiting_for_streaming_input == len(SESSIONS)
+            and all(sched.requests[r].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+                    for r in SESSIONS))
+
+
+def test_the_tick_gather_takes_each_ticks_chunks_in_one_step(gather: Clock) -> None:
+    """On vLLM's own scheduler (PAUSED_NEW for the held call only): with the gather on,
+    each tick's six chunks, arriving one by one, go to the model in one step of six, and
+    re-anchors happen among the held steps with nothing lost: every chunk computed, no
+    encoder cache miss, every session parked for its next chunk at the end."""
+    from workers.engines.vllm.reanchor.gather import GATHER
+
+    sched = scheduler(256, 2048, max_num_seqs=8)
+    feed = Feed(sched, {rid: sampling(128) for rid in SESSIONS})
+    assert sorted(feed.sample(feed.schedule())) == SESSIONS  # first tick: count unknown
+    before = GATHER.counts()
+    sizes, empty = ticks(feed, gather, 600)
+    counts = GATHER.counts()
+    assert sizes == [len(SESSIONS)] * 600, sizes[:20]
+    assert empty == 600 * (len(SESSIONS) - 1)
+    assert counts["held_ticks"] - before["held_ticks"] == 600
+    assert counts["timed_out"] == before["timed_out"]
+    assert len(feed.shifts) >= 2 * len(SESSIONS)  # 1,239 positions, re-anchors every 128
+    assert not getattr(sched, "_bc_failures", None)
+    assert not feed.encoder.misses and not feed.encoder.negative_offsets
+    assert parked_all(sched)
+    assert all(feed.fed[r] == FIRST + 600 for r in SESSIONS)
+
+
+def test_without_the_gather_each_chunk_takes_its_own_step(gather: Clock) -> None:
+    """Negative control for the one-step check: the same arrivals with the gather off
+    give a step per chunk (what the H200 runs saw as two steps a tick)."""
+    from workers.engines.vllm.reanchor.gather import GATHER
+
+    GATHER.switch(0)
+    sched = scheduler(256, 2048, max_num_seqs=8)
+    feed = Feed(sched, {rid: sampling(128) for rid in SESSIONS})
+    feed.sample(feed.schedule())
+    sizes, empty = ticks(feed, gather, 20)
+    assert sizes == [1] * (20 * len(SESSIONS)) and empty == 0
+    assert parked_all(sched)
+
+
+def test_a_late_chunk_costs_its_tick_at_most_the_window(gather: Clock) -> None:
+    """A session whose chunk does not come: the tick's other five wait 4.5 ms, not
+    past the 5 ms window, then go in one step; the late chunk is not held behind a
+    step in flight (an engine with a request running is never held), and nothing
+    is lost."""
+    from workers.engines.vllm.reanchor.gather import GATHER
+
+    sched = scheduler(256, 2048, max_num_seqs=8)
+    feed = Feed(sched, {rid: sampling(128) for rid in SESSIONS})
+    feed.sample(feed.schedule())
+    ticks(feed, gather, 2)  # the gather knows a tick's count: six
+    before = GATHER.counts()
+    gather.now += 0.080
+    for rid in SESSIONS[:-1]:
+        feed.arrive(rid)
+        assert not feed.sample(feed.schedule())  # held
+    gather.now += 0.0045
+    assert not feed.sample(feed.schedule())  # 4.5 ms: still held
+    gather.now += 0.001
+    five = feed.schedule()  # 5.5 ms: the window is over
+    assert sorted(five.num_scheduled_tokens) == SESSIONS[:-1]
+    feed.arrive(SESSIONS[-1])  # comes while the five are on the GPU
+    late = feed.schedule()
+    assert list(late.num_scheduled_tokens) == [SESSIONS[-1]]
+    feed.sample(five)
+    feed.sample(late)
+    counts = GATHER.counts()
+    assert counts["timed_out"] - before["timed_out"] == 1
+    assert counts["holds"] - before["holds"] == len(SESSIONS)
+    assert parked_all(sched)
+    sizes, _ = ticks(feed, gather, 3)  # and the ticks after it are whole again
+    assert sizes[-1] == len(SESSIONS)
+    assert not feed.encoder.misses and parked_all(sched)
