@@ -203,7 +203,7 @@ async def stop_all(fronts: dict[int, Any]) -> None:
 async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, Any]:
     """The stamped result; written to `--out` before the engines are stopped, so a call
     that runs out of time while they stop keeps its measurement."""
-    from bench.capacity.configs import engines_of, levers_of
+    from bench.capacity.configs import engines_of
     from bench.capacity.frontend import FrontEnd
     from bench.capacity.host import _gpu_util
 
@@ -217,7 +217,7 @@ async def main_async(args: argparse.Namespace, command: str = "") -> dict[str, A
     started: dict[int, Any] = {}
     age_frames = age_frames_of(args)
     FrontEnd.age_concurrency = args.age_concurrency
-    levers = levers_of(config)
+    levers = levers_for(args)
     try:
         # one at a time, as vLLM profiles free memory while it starts; side by side when
         # each engine's KV cache has a given size (--kv-cache-gib): nothing to profile
@@ -290,11 +290,11 @@ def util_series(util: list[float], stamps: list[float], t0: float,
 
 def summary(args: argparse.Namespace, answers: list[Any], util: list[float],
             stamps: list[float], started: dict[int, Any], t_start: float) -> dict[str, Any]:
-    from bench.capacity.configs import engines_of, levers_of
+    from bench.capacity.configs import engines_of
     from bench.capacity.host import host_fingerprint
 
     config, n = args.config, args.streams
-    levers = levers_of(config)
+    levers = levers_for(args)
     engines = engines_of(config)
     stock = is_stock(config)
     ok = [a for a in answers if isinstance(a, dict)]
@@ -394,7 +394,31 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-profile", action="store_true",
                     help="with --profile-dir: vLLM's torch profiler over the window's last "
                          "seconds too (it slows the engine then; the JSON says `profiled`)")
-    return ap.parse_args(argv)
+    ap.add_argument("--gather-ms", type=float, default=None,
+                    help="with a +gather configuration: the tick gather's window in ms "
+                         "(0 < ms <= 40; default configs.GATHER_MS). At 48 aged sessions on "
+                         "one H100 engine the 5 ms window ran out in 99.7 %% of ticks "
+                         "(bench/results/capacity_h100)")
+    args = ap.parse_args(argv)
+    if args.gather_ms is not None:
+        from bench.capacity.configs import GATHER
+
+        if GATHER not in args.config:
+            ap.error(f"--gather-ms needs a {GATHER} configuration, not {args.config}")
+        if not 0 < args.gather_ms <= 40:
+            ap.error(f"--gather-ms must be in (0, 40], not {args.gather_ms}")
+    return args
+
+
+def levers_for(args: argparse.Namespace) -> dict[str, Any]:
+    """The levers the configuration's phases run, with `--gather-ms` as the gather's
+    window where it is given (a `+gather` configuration's default is configs.GATHER_MS)."""
+    from bench.capacity.configs import levers_of
+
+    levers = levers_of(args.config)
+    if getattr(args, "gather_ms", None) is not None:
+        levers["gather"] = args.gather_ms
+    return levers
 
 
 def main(argv: list[str] | None = None) -> int:
