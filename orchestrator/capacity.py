@@ -35,7 +35,10 @@ rule of `bench.capacity.strict`, the others by `bench.voxtral_capacity`'s knee (
   72 aged sessions fed through session managers and VAD in real time (2026-12-01, GPU 99 %
   busy; 80 stalled in the bench's own ageing, fixed since, not measured again). An engine
   with the whole GPU has twice the cache; it is given the same budget until its own aged
-  knee is measured.
+  knee is measured. By the strict rule, one engine with a whole H100 kept 48 aged sessions
+  of 48 up on the 80 ms tick (2026-12-07, bench/results/capacity_h100), its engine core at
+  1.0-1.1 ms of CPU per chunk; the H200 host of 2026-12-05 spent 2.0-2.1 ms, at which 48
+  would ask one engine core for 1.26 CPU-seconds a second, so 36 stays.
 - fp8 KV cache, three engines per GPU, under CUDA MPS, chunks fed on the engine's shared
   80 ms tick (`aligned_feed_ms`, 80 by default): `VLLM_FP8_X3_MPS_ALIGNED_STREAMS_PER_ACTOR`,
   22, the first levels to pass the strict keep-up rule as a whole (2026-12-05, arrivals
@@ -70,12 +73,13 @@ rule of `bench.capacity.strict`, the others by `bench.voxtral_capacity`'s knee (
 
 New sessions reach ≥ 128 per GPU (64 per engine), so the aged knee is the budget.
 
-Under review (issue 34): the bf16 and one- or two-engine fp8 figures were judged by 12.0
-frames/s (96 % of real time) over 7-43 s windows and are not yet re-measured by the strict
-rule; vLLM's stock path on the same three engines kept 44 of 66 new sessions up
-(2026-12-04): at the levels measured, an engine that kept every session up carried 20-33
-aged project sessions or 22 new stock ones, and in both 100/66 runs one engine of the three
-did not. No knee is measured for either yet, so no ratio is claimed.
+Under review (issue 34): the bf16 and two-engine fp8 figures were judged by 12.0 frames/s
+(96 % of real time) over 7-43 s windows and are not yet re-measured by the strict rule (one
+fp8 engine is, on an H100 only, above); vLLM's stock path on the same three engines kept
+44 of 66 new sessions up (2026-12-04): at the levels measured, an engine that kept every
+session up carried 20-33 aged project sessions or 22 new stock ones, and in both 100/66
+runs one engine of the three did not. No knee is measured for either yet, so no ratio is
+claimed.
 """
 
 from __future__ import annotations

@@ -25,9 +25,13 @@ First run on a GPU on 2026-12-05 (bench/results/gather_h100/: one engine on an H
 new sessions on the tick, 60 s with and 60 s without): one step a tick instead of two
 (12.6 steps a second against 25.0; all 26 sessions in 747 of 783 steps), 1.94 x less
 engine-core CPU per chunk (611 against 1,185 us), the sessions' backlog 48 ms lower, 3 %
-of ticks released by the window. Off by default (`engine.vllm.tick_gather_ms`, the engine option
-`tick_gather_ms`, a benchmark's `+gather`): what it is worth at the knee needs a strict
-level with it and the same level without, on one H200 host (`python -m
+of ticks released by the window. At 48 aged sessions on one H100 engine (2026-12-07,
+bench/results/capacity_h100/) the 5 ms window ran out in 99.7 % of ticks: the tick's
+chunks reached the engine core over longer than that, the tick still took two steps
+(~7 requests, then ~41) and engine-core CPU per chunk fell only 8 %. Off by default
+(`engine.vllm.tick_gather_ms`, the engine option `tick_gather_ms`, a benchmark's
+`+gather`): what it is worth at the H200's knee needs a strict level with it and the same
+level without, on one H200 host, with a window that covers the tick's spread (`python -m
 bench.capacity.strict --config …+gather`). This module imports no vLLM: the logic is
 tested on the CPU (tests/test_tick_gather.py), the scheduler applies it (scheduler.py).
 """
