@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.engines.vllm.reanchor.gather import TickGather
+from workers.engines.vllm.reanchor.gather import QUIET_S, TickArrivals, TickGather
 
 pytestmark = pytest.mark.unit
 
@@ -131,3 +131,32 @@ def test_switching_forgets_the_last_tick_and_checks_the_window() -> None:
         g.switch(-1)
     assert g.switch(0) == {"on": False, "window_ms": 0}
     assert not g.hold(t + 0.08, ready=3, parked=22, busy=False)
+
+
+def test_arrivals_are_counted_from_each_ticks_first_chunk() -> None:
+    """TickArrivals: a tick's chunks from the first after a quiet gap; each chunk's offset
+    from that first in 1 ms bins, each closed tick's first-to-last spread."""
+    a = TickArrivals()
+    t = 100.0
+    for _ in range(3):  # three ticks of six chunks 0.5 ms apart, 80 ms apart
+        for i in range(6):
+            a.arrived(t + i * 0.5 * MS)
+        t += 0.080
+    c = a.counts()
+    assert c["chunks"] == 18 and c["ticks"] == 2  # the third is still open
+    assert c["offset_ms"] == {"0": 6, "1": 6, "2": 6}
+    assert c["spread_ms"] == {"2": 2}
+
+
+def test_a_quiet_gap_starts_a_tick_and_no_tick_spans_more_than_80_ms() -> None:
+    a = TickArrivals()
+    a.arrived(0.0)
+    a.arrived(0.019)  # 19 ms after: the same tick
+    a.arrived(0.019 + QUIET_S)  # a quiet gap: a new tick
+    assert a.counts()["ticks"] == 1 and a.counts()["spread_ms"] == {"19": 1}
+    b = TickArrivals()  # without the tick, chunks one after another every 5 ms
+    for i in range(40):
+        b.arrived(1.0 + i * 0.005)
+    c = b.counts()
+    assert c["ticks"] == 2 and c["spread_ms"] == {"75": 2}
+    assert max(int(k) for k in c["offset_ms"]) < 80

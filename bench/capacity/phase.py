@@ -286,6 +286,15 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         out["tick_gather"] = {"window_ms": a.get("window_ms"), **{
             k: int(a.get(k, 0)) - int(b.get(k, 0))
             for k in ("ticks", "held_ticks", "holds", "timed_out")}}
+    if "tick_arrivals" in after:  # when the scheduler saw each tick's chunks (gather.py)
+        b, a = before.get("tick_arrivals") or {}, after["tick_arrivals"]
+        out["tick_arrivals"] = {k: int(a.get(k, 0)) - int(b.get(k, 0))
+                                for k in ("ticks", "chunks")}
+        for hist in ("offset_ms", "spread_ms"):
+            hb, ha = b.get(hist) or {}, a.get(hist) or {}
+            diff = {k: int(v) - int(hb.get(k, 0)) for k, v in ha.items()}
+            out["tick_arrivals"][hist] = {k: v for k, v in sorted(
+                diff.items(), key=lambda kv: int(kv[0])) if v}
     return out
 
 

@@ -34,6 +34,8 @@ What it does:
   `steps_per_s`, `requests_per_step` and its p10/p50/p90 (from `step_sizes`, the steps by
   how many requests each carried), and `step_gaps_ms` (the time between steps, in 5 ms
   bins) inside `reanchors_in_phase`: how the engine core batched the sessions' chunks;
+  and `tick_arrivals_within_ms`, the share of chunks the scheduler saw within 5-40 ms of
+  their tick's first (what a gather window of that length would hold for);
 - judges each session by the rule and writes the stamped JSON (results.py) to `--out`
   and stdout.
 """
@@ -179,7 +181,25 @@ def step_rate(counted: dict[str, Any], window_s: float) -> dict[str, Any]:
                 if seen >= q * total:
                     out[f"requests_per_step_p{round(q * 100)}"] = size
                     break
+    out.update(arrival_shares(counted.get("tick_arrivals") or {}))
     return out
+
+
+ARRIVAL_WINDOWS_MS = (5, 10, 20, 40)
+
+
+def arrival_shares(arrivals: dict[str, Any]) -> dict[str, Any]:
+    """The share of chunks the scheduler saw within 5, 10, 20 and 40 ms of their tick's
+    first (`tick_arrivals`, gather.py): what a gather window of that length would hold a
+    tick's first step for. Read as arrivals only with the gather on (held steps leave the
+    engine idle); without it, a chunk that came during a step is seen after the step."""
+    hist = {int(k): int(v) for k, v in (arrivals.get("offset_ms") or {}).items()}
+    total = sum(hist.values())
+    if not total:
+        return {}
+    return {"tick_arrivals_within_ms": {
+        str(w): round(sum(v for k, v in hist.items() if k < w) / total, 3)
+        for w in ARRIVAL_WINDOWS_MS}}
 
 
 STOP_S = 20.0

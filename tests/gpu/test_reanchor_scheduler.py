@@ -419,14 +419,18 @@ def test_the_tick_gather_takes_each_ticks_chunks_in_one_step(gather: Clock) -> N
     each tick's six chunks, arriving one by one, go to the model in one step of six, and
     re-anchors happen among the held steps with nothing lost: every chunk computed, no
     encoder cache miss, every session parked for its next chunk at the end."""
-    from workers.engines.vllm.reanchor.gather import GATHER
+    from workers.engines.vllm.reanchor.gather import ARRIVALS, GATHER
 
     sched = scheduler(256, 2048, max_num_seqs=8)
     feed = Feed(sched, {rid: sampling(128) for rid in SESSIONS})
     assert sorted(feed.sample(feed.schedule())) == SESSIONS  # first tick: count unknown
-    before = GATHER.counts()
+    before, seen = GATHER.counts(), ARRIVALS.counts()
     sizes, empty = ticks(feed, gather, 600)
-    counts = GATHER.counts()
+    counts, arrivals = GATHER.counts(), ARRIVALS.counts()
+    # the arrivals instrument saw each tick's six chunks 0-2.5 ms after its first
+    assert arrivals["chunks"] - seen["chunks"] == 600 * len(SESSIONS)
+    assert {k: v - seen["offset_ms"].get(k, 0) for k, v in arrivals["offset_ms"].items()
+            if v != seen["offset_ms"].get(k, 0)} == {"0": 1200, "1": 1200, "2": 1200}
     assert sizes == [len(SESSIONS)] * 600, sizes[:20]
     assert empty == 600 * (len(SESSIONS) - 1)
     assert counts["held_ticks"] - before["held_ticks"] == 600

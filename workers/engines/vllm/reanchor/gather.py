@@ -117,3 +117,62 @@ class TickGather:
 
 GATHER = TickGather()
 """This engine-core process's gather (the worker switches it, the scheduler reads it)."""
+
+
+QUIET_S = 0.020
+"""A chunk that comes this long after the one before starts a new tick's arrivals."""
+TICK_S = 0.080
+"""A tick's arrivals never span more than a tick: without the tick (`aligned_feed_ms: 0`)
+chunks come one after another and every 80 ms counts as a tick."""
+OFFSET_MAX_MS = 80
+_EPS = 1e-9  # a sum of float steps that is 2 ms in the arithmetic counts as 2 ms, not 1.999…
+
+
+@dataclass
+class TickArrivals:
+    """When the scheduler sees each chunk, counted from its tick's first (an instrument
+    for the gather's window: how many of a tick's chunks a window of W ms would hold for).
+    A tick's arrivals are the chunks from one after a quiet gap (`QUIET_S`) to the next such
+    gap, at most `TICK_S` long. Timestamps are taken in the scheduler's `add_request`, in
+    the engine-core thread: while a step runs, chunks wait in vLLM's input queue and are
+    seen after it, so the figures read as arrivals only while the engine is idle or
+    holding (with the gather on). `offset_ms`: chunks by ms after their tick's first (1 ms
+    bins, the last holds 80 and more); `spread_ms`: ticks by first-to-last; `ticks`,
+    `chunks`: how many."""
+
+    ticks: int = 0
+    chunks: int = 0
+    offset_ms: dict[int, int] = field(default_factory=dict)
+    spread_ms: dict[int, int] = field(default_factory=dict)
+    _first: float | None = None
+    _last: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def arrived(self, now: float) -> None:
+        with self._lock:
+            first = self._first
+            if (first is None or now - self._last >= QUIET_S - _EPS
+                    or now - first >= TICK_S - _EPS):
+                self._close()
+                self._first = first = now
+            self._last = now
+            self.chunks += 1
+            b = min(OFFSET_MAX_MS, int((now - first) * 1000 + _EPS))
+            self.offset_ms[b] = self.offset_ms.get(b, 0) + 1
+
+    def _close(self) -> None:
+        if self._first is not None:
+            self.ticks += 1
+            b = min(OFFSET_MAX_MS, int((self._last - self._first) * 1000 + _EPS))
+            self.spread_ms[b] = self.spread_ms.get(b, 0) + 1
+
+    def counts(self) -> dict[str, Any]:
+        """Closed ticks only in `spread_ms` and `ticks`; every chunk seen in the rest."""
+        with self._lock:
+            return {"ticks": self.ticks, "chunks": self.chunks,
+                    "offset_ms": {str(k): v for k, v in sorted(self.offset_ms.items())},
+                    "spread_ms": {str(k): v for k, v in sorted(self.spread_ms.items())}}
+
+
+ARRIVALS = TickArrivals()
+"""This engine-core process's arrivals (the scheduler stamps them, the worker reports)."""

@@ -48,7 +48,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from workers.engines.vllm.options import KV_TRACE_ENV as TRACE_ENV
-from workers.engines.vllm.reanchor.gather import GATHER
+from workers.engines.vllm.reanchor.gather import ARRIVALS, GATHER
 from workers.engines.vllm.reanchor.plan import (
     CannotReanchor,
     Geometry,
@@ -226,6 +226,7 @@ class _ReanchorMixin:
         rid = request.request_id
         if rid in self._bc_ended and rid not in self.requests:  # type: ignore[attr-defined]
             return
+        ARRIVALS.arrived(time.monotonic())  # when the scheduler saw it (gather.py)
         super().add_request(request)  # type: ignore[misc]
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

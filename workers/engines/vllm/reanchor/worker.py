@@ -35,7 +35,7 @@ import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from workers.engines.vllm.reanchor import melspec, scaled_weights, token_writes, window_trim
-from workers.engines.vllm.reanchor.gather import GATHER
+from workers.engines.vllm.reanchor.gather import ARRIVALS, GATHER
 from workers.engines.vllm.reanchor.plan import Geometry, Reanchor
 from workers.engines.vllm.reanchor.rope import RopeStyle, key_storage, unrotate_blocks_
 from workers.engines.vllm.reanchor.scheduler import (
@@ -212,7 +212,8 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
         `step_sizes`: those steps counted by how many requests each scheduled (a mean of
         12.5 may be every step at 12 or 13, or steps of 20 and 5); `step_gaps_ms`: the time
         from one such step's start to the next's, in 5 ms bins (two steps per 80 ms cycle
-        at 40 and 40, or at 10 and 70); `tick_gather`: the gather's window and counts
+        at 40 and 40, or at 10 and 70); `tick_gather`: the gather's window and counts;
+        `tick_arrivals`: when the scheduler saw each chunk after its tick's first
         (gather.py)."""
         return {"reanchors": self._bc_counts()["reanchors"],
                 "issue_ms": round(self._bc_issue_ms, 3),
@@ -227,7 +228,8 @@ class ReanchorWorker(Worker):  # type: ignore[misc]
                 "shift_by_request": dict(self._bc_shifts()),
                 "live_blocks": {rid: list(v) for rid, v in self._bc_live().items()},
                 "token_writes": token_writes.counts(self.model_runner),
-                "tick_gather": GATHER.counts()}
+                "tick_gather": GATHER.counts(),
+                "tick_arrivals": ARRIVALS.counts()}
 
     def babelcast_fail_next_rotation(self, times: int = 1) -> dict[str, Any]:
         """FAULT INJECTION, GPU tier only: the next `times` rotations raise, as a rotation
