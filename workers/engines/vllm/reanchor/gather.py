@@ -137,8 +137,8 @@ class TickArrivals:
     the engine-core thread: while a step runs, chunks wait in vLLM's input queue and are
     seen after it, so the figures read as arrivals only while the engine is idle or
     holding (with the gather on). `offset_ms`: chunks by ms after their tick's first (1 ms
-    bins, the last holds 80 and more); `spread_ms`: ticks by first-to-last; `ticks`,
-    `chunks`: how many."""
+    bins, 0-79: a tick is cut at 80 ms); `spread_ms`: closed ticks by first-to-last;
+    `ticks`, `chunks`: how many."""
 
     ticks: int = 0
     chunks: int = 0
