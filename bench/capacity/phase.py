@@ -278,9 +278,7 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     out["requests_reanchored"] = sum(1 for rid, v in a.items() if b.get(rid) != v)
     for hist in ("step_sizes", "step_gaps_ms"):  # histograms (a worker from before: none)
         if hist in after:
-            b, a = before.get(hist) or {}, after[hist]
-            diff = {k: int(v) - int(b.get(k, 0)) for k, v in a.items()}
-            out[hist] = {k: v for k, v in sorted(diff.items(), key=lambda kv: int(kv[0])) if v}
+            out[hist] = _hist_diff(before.get(hist) or {}, after[hist])
     if "tick_gather" in after:  # the gather's counts (its window as it ended the window)
         b, a = before.get("tick_gather") or {}, after["tick_gather"]
         out["tick_gather"] = {"window_ms": a.get("window_ms"), **{
@@ -291,11 +289,15 @@ def _counter_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         out["tick_arrivals"] = {k: int(a.get(k, 0)) - int(b.get(k, 0))
                                 for k in ("ticks", "chunks")}
         for hist in ("offset_ms", "spread_ms"):
-            hb, ha = b.get(hist) or {}, a.get(hist) or {}
-            diff = {k: int(v) - int(hb.get(k, 0)) for k, v in ha.items()}
-            out["tick_arrivals"][hist] = {k: v for k, v in sorted(
-                diff.items(), key=lambda kv: int(kv[0])) if v}
+            out["tick_arrivals"][hist] = _hist_diff(b.get(hist) or {}, a.get(hist) or {})
     return out
+
+
+def _hist_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """A histogram's counts in the window (keys are numbers as strings, kept in numeric
+    order; empty bins dropped)."""
+    diff = {k: int(v) - int(before.get(k, 0)) for k, v in after.items()}
+    return {k: v for k, v in sorted(diff.items(), key=lambda kv: int(kv[0])) if v}
 
 
 async def _after(delay_s: float, then: Callable[[], Awaitable[str | None]]) -> str | None:

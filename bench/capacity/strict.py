@@ -422,11 +422,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.gather_ms is not None:
         from bench.capacity.configs import GATHER
+        from workers.engines.vllm.reanchor.gather import MAX_WINDOW_MS
 
         if GATHER not in args.config:
             ap.error(f"--gather-ms needs a {GATHER} configuration, not {args.config}")
-        if not 0 < args.gather_ms <= 40:
-            ap.error(f"--gather-ms must be in (0, 40], not {args.gather_ms}")
+        if not 0 < args.gather_ms <= MAX_WINDOW_MS:
+            ap.error(f"--gather-ms must be in (0, {MAX_WINDOW_MS:g}], not {args.gather_ms}")
     return args
 
 

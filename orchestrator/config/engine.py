@@ -9,6 +9,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from orchestrator.capacity import ALIGNED_FEED_MS
 from orchestrator.config.base import _fail, _raise_at, _Strict
+from workers.engines.vllm.reanchor.gather import MAX_WINDOW_MS
 
 if TYPE_CHECKING:
     from workers.engines.embedded import EmbeddedEngineOptions
@@ -154,7 +155,7 @@ class VllmConfig(_Strict):
                     "up by the strict rule with 80 (bench/results/capacity_h200, 2026-12-05); "
                     "without it at those arrivals: not measured")
     tick_gather_ms: float = Field(
-        default=0.0, ge=0, le=40, examples=[5],
+        default=0.0, ge=0, le=MAX_WINDOW_MS, examples=[5],
         description="on the tick (aligned_feed_ms), hold an idle engine's first step of a "
                     "tick up to this many ms until as many chunks wait as the last tick "
                     "carried, so one engine-core step takes them all instead of two (a busy "

@@ -42,6 +42,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_WINDOW_MS = 40
+"""The longest window the gather takes: half a tick (the engine option, the event file's
+`engine.vllm.tick_gather_ms` and `bench.capacity.strict --gather-ms` are bounded by it)."""
+
 
 @dataclass
 class TickGather:
@@ -62,8 +66,9 @@ class TickGather:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def switch(self, window_ms: float) -> dict[str, Any]:
-        if window_ms < 0 or window_ms > 40:
-            raise ValueError(f"the gather's window must be 0-40 ms (half a tick), not {window_ms}")
+        if window_ms < 0 or window_ms > MAX_WINDOW_MS:
+            raise ValueError(f"the gather's window must be 0-{MAX_WINDOW_MS:g} ms (half a tick), "
+                             f"not {window_ms}")
         with self._lock:
             self.window_s = window_ms / 1000
             self._opened, self._last_tick, self._since_open = None, 0, 0
