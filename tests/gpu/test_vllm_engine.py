@@ -174,7 +174,12 @@ def test_sessions_decode_at_real_time_pace(engine: VllmVoxtralEngine,
                                            loop: asyncio.AbstractEventLoop) -> None:
     pcm = speech()
 
-    async def run() -> list[int]:
+    async def arrivals() -> dict[str, Any]:
+        stats = await engine.backend.reanchor_stats() or {}
+        return dict(stats.get("tick_arrivals") or {})
+
+    async def run() -> tuple[list[int], dict[str, Any], dict[str, Any]]:
+        before = await arrivals()
         sessions = [engine.open_session(SessionOptions(f"s{i}", "auto")) for i in range(4)]
         sinks: list[list[Any]] = [[] for _ in sessions]
         drains = [asyncio.create_task(drain(s, k)) for s, k in zip(sessions, sinks, strict=True)]
@@ -183,11 +188,16 @@ def test_sessions_decode_at_real_time_pace(engine: VllmVoxtralEngine,
         for s in sessions:
             await s.end_input()
         await asyncio.wait_for(asyncio.gather(*drains), 60)
-        return counts
+        return counts, before, await arrivals()
 
-    counts = loop.run_until_complete(run())
+    counts, before, after = loop.run_until_complete(run())
     # 10 s of audio at 12.5 frames/s = 125 steps; the first prompt needs 7 frames.
     assert all(100 <= c <= 126 for c in counts), counts
+    # The scheduler stamped every chunk it was handed (gather.TickArrivals, in the engine
+    # core; the worker reports it, so both must share the process): one per step.
+    chunks = after.get("chunks", 0) - before.get("chunks", 0)
+    assert sum(counts) <= chunks <= sum(counts) + 4 * 8, (chunks, counts, after)
+    assert all(0 <= int(k) < 80 for k in after.get("offset_ms", {})), after
 
 
 def test_closing_a_session_aborts_its_request_and_frees_the_slot(
