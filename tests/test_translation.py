@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import sys
 import threading
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import psutil
 import pytest
 
 from orchestrator.config import ConfigError, parse_event
@@ -25,7 +27,7 @@ from translation.backends.base import BackendError, TranslationRequest
 from translation.backends.openai_chat import OpenAIChatOptions, OpenAIChatTranslator
 from translation.backends.prompt import ReplyError, build_messages, parse_reply
 from translation.glossary import Glossary, GlossaryTerm
-from translation.host import TranslationHost, TranslationHostOptions
+from translation.host import MAX_INTERRUPTS, TranslationHost, TranslationHostOptions
 from translation.jobs import GROUP, JobQueue
 from workers.bus import JOBS_KEY, RedisBus, job_from_json
 from workers.events import CaptionSegment, StreamOptions, TranslationJob
@@ -414,6 +416,76 @@ async def test_a_failing_backend_publishes_error_markers_and_other_languages_go_
     assert de.is_final and de.text == "" and de.error is not None
     assert de.error == "openai-chat: BackendTimeout"  # a slow backend, told from a broken one
     assert es.error is None and "plenaria" in es.text
+
+
+class ApertiumKiller:
+    """SIGKILLs this process's Apertium children as they start (the first `times` of
+    them, or all): what Ray does to a dying actor's child processes before the actor
+    itself exits, and what the OOM killer may do to one. A thread polls every 2 ms."""
+
+    def __init__(self, times: int | None = None) -> None:
+        self.times, self.killed = times, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.wait(0.002):
+            if self.times is not None and self.killed >= self.times:
+                return
+            for child in me.children():
+                try:
+                    if any(a.endswith("/apertium") or a == "apertium" for a in child.cmdline()):
+                        child.send_signal(signal.SIGKILL)
+                        self.killed += 1
+                except psutil.Error:  # it ended meanwhile
+                    pass
+
+    def __enter__(self) -> ApertiumKiller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.integration
+async def test_a_backend_process_killed_under_a_batch_is_tried_again_not_published_failed(
+        bus: RedisBus, host_factory: Any) -> None:
+    # Seen for real: a translator killed by ray.kill published a final as failed
+    # ("apertium eng-spa exited -9") in the 10 ms between Ray killing its children and
+    # the actor itself, and the survivor's try was then a duplicate (tests/
+    # test_translation_ray.py, 1 run in 6).
+    host = await host_factory()
+    await host.warm(["apertium"])
+    with ApertiumKiller(times=1) as killer:
+        await bus.enqueue_job(final_job("talk", 1, "The keynote starts now.", ("es",)))
+        await eventually(lambda: _published_any(bus, "es"), 30, "a publication in es")
+    (es,) = await published(bus, "talk", "es")
+    assert killer.killed == 1
+    assert es.error is None and "plenaria" in es.text, es.error
+    assert host.counters["interrupted_retries"] == 1
+
+
+@pytest.mark.integration
+async def test_a_backend_process_killed_every_time_is_published_failed_after_its_tries(
+        bus: RedisBus, host_factory: Any) -> None:
+    host = await host_factory()
+    await host.warm(["apertium", "bergamot"])
+    with ApertiumKiller() as killer:
+        await bus.enqueue_job(final_job("talk", 1, "The keynote starts now.", ("es", "pt")))
+        await eventually(lambda: _published_any(bus, "es"), 30, "a publication in es")
+    (es,) = await published(bus, "talk", "es")
+    (pt,) = await published(bus, "talk", "pt")
+    assert es.is_final and es.text == "" and es.error == "apertium: BackendInterrupted"
+    assert pt.error is None and pt.text  # the batch's other language, published with it
+    assert host.counters["interrupted_retries"] == MAX_INTERRUPTS
+    assert killer.killed == MAX_INTERRUPTS + 1
+
+
+async def _published_any(bus: RedisBus, lang: str) -> bool:
+    return bool(await published(bus, "talk", lang))
 
 
 @pytest.mark.integration

@@ -23,6 +23,7 @@ from redis.asyncio import Redis
 from translation.backends import BackendSettings, Routes, build
 from translation.backends.base import (
     BackendError,
+    BackendInterrupted,
     BackendTimeout,
     Result,
     TranslationRequest,
@@ -36,6 +37,11 @@ from workers.captions.linebreak import WEB, break_lines
 from workers.events import CaptionSegment, TranslationJob
 
 log = logging.getLogger(__name__)
+
+MAX_INTERRUPTS = 3
+"""Tries of a job whose backend process was killed under it before it is published with
+the error (`BackendInterrupted`): one such kill is a translator going down or the OOM
+killer's choice, and the job is read again; a kill every time is a broken host."""
 
 
 class TranslationMetrics(Protocol):
@@ -101,6 +107,8 @@ class TranslationHost:
         # The last seq this host published per (stream, lang), and the Redis data set
         # it published into: after Redis came back empty no seq is given twice.
         self._floors: dict[tuple[str, str], int] = {}
+        # How often each job (its entry id) was interrupted (see _try_again).
+        self._interrupts: dict[str, int] = {}
         self._epoch = ""
 
     @property
@@ -150,6 +158,8 @@ class TranslationHost:
                 if deliveries:
                     await self.process(deliveries)
                     await queue.ack([d.entry_id for d in deliveries])
+                    for d in deliveries:
+                        self._interrupts.pop(d.entry_id, None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -157,7 +167,8 @@ class TranslationHost:
                     return
                 # Redis hiccup or a bug: the jobs stay pending and are read again.
                 log.warning("translator %s: batch failed: %s", self.options.translator_id,
-                            type(exc).__name__, exc_info=not isinstance(exc, OSError))
+                            type(exc).__name__,
+                            exc_info=not isinstance(exc, (OSError, BackendInterrupted)))
                 self.counters["batch_failures"] += 1
                 queue.reread_pending()
                 await asyncio.sleep(0.5)
@@ -184,10 +195,30 @@ class TranslationHost:
             by_backend[it.backend].append(it)
         await asyncio.gather(*(self._translate(name, group)
                                for name, group in by_backend.items()))
+        interrupted = [it.result for it in items if isinstance(it.result, BackendInterrupted)]
+        if interrupted and self._try_again(deliveries):
+            # Nothing of this batch is published: it is read again (the batch-failure path
+            # of _run) or, if this translator is going down, claimed by another one.
+            raise interrupted[0]
         # Source order within the batch, so each language's seq follows the source's.
         items.sort(key=lambda it: (it.job.stream, it.job.seq))
         for it in items:
             await self._publish(it)
+
+    def _try_again(self, deliveries: list[Delivery]) -> bool:
+        """Whether a batch with interrupted targets (a backend process killed by a signal,
+        `BackendInterrupted`) is read again rather than published with those targets
+        failed: no, once one of its jobs was interrupted `MAX_INTERRUPTS` times, so a
+        backend that is killed every time cannot hold the queue."""
+        ids = [d.entry_id for d in deliveries]
+        for i in ids:
+            self._interrupts[i] = self._interrupts.get(i, 0) + 1
+        while len(self._interrupts) > 10_000:  # jobs claimed away are never acked here
+            self._interrupts.pop(next(iter(self._interrupts)))
+        if max(self._interrupts.get(i, 0) for i in ids) > MAX_INTERRUPTS:
+            return False
+        self.counters["interrupted_retries"] += 1
+        return True
 
     async def _translate(self, name: str, group: list[_Item]) -> None:
         try:

@@ -14,7 +14,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from translation.backends.base import BackendError, BackendTimeout, SentenceEngine
+from translation.backends.base import (
+    BackendError,
+    BackendInterrupted,
+    BackendTimeout,
+    SentenceEngine,
+)
 from workers.aio import wait_for
 
 MODES_DIR = Path("/usr/share/apertium/modes")
@@ -82,6 +87,9 @@ class ApertiumTranslator(SentenceEngine):
                 await proc.wait()
                 raise BackendTimeout(
                     f"apertium {mode} timed out after {self.timeout_s} s") from None
+        if proc.returncode is not None and proc.returncode < 0:
+            raise BackendInterrupted(f"apertium {mode} was killed by signal "
+                                     f"{-proc.returncode}")
         if proc.returncode != 0:
             raise BackendError(f"apertium {mode} exited {proc.returncode}: "
                                f"{err.decode(errors='replace').strip()[:200]}")

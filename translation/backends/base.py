@@ -19,6 +19,13 @@ class BackendError(RuntimeError):
     """A backend could not translate a request (after its own retries)."""
 
 
+class BackendInterrupted(BackendError):
+    """The backend's process was killed by a signal while it translated: its host is going
+    down (Ray kills an actor's children before the actor itself) or the kernel's OOM
+    killer chose it. Not the request's fault: the host tries the job again instead of
+    publishing it as failed (translation/host.py, `MAX_INTERRUPTS`)."""
+
+
 class BackendTimeout(BackendError):
     """A backend took longer than its bound: a load problem, not a broken backend. Its own
     type so that a published error (`"{backend}: BackendTimeout"`) tells the two apart."""
@@ -116,8 +123,9 @@ class SentenceEngine(Translator):
                 self.stats.calls += 1
                 outs: list[Result] = list(await self._translate_pair(texts, source, target))
             except Exception as exc:
-                if len(texts) == 1:
-                    outs = [exc]
+                if len(texts) == 1 or isinstance(exc, BackendInterrupted):
+                    # An interrupted pair is nobody's sentence's fault: no one-by-one retry.
+                    outs = [exc] * len(texts)
                 else:
                     outs = []
                     for t in texts:
