@@ -39,9 +39,10 @@ from workers.events import CaptionSegment, TranslationJob
 log = logging.getLogger(__name__)
 
 MAX_INTERRUPTS = 3
-"""Tries of a job whose backend process was killed under it before it is published with
-the error (`BackendInterrupted`): one such kill is a translator going down or the OOM
-killer's choice, and the job is read again; a kill every time is a broken host."""
+"""Retries of a job whose backend process was killed under it (`BackendInterrupted`); killed
+once more after them, it is published with the error. One such kill is a translator going
+down or the OOM killer's choice, and the job is read again; a kill every time is a broken
+host."""
 
 
 class TranslationMetrics(Protocol):
