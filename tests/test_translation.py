@@ -424,7 +424,7 @@ class ApertiumKiller:
     itself exits, and what the OOM killer may do to one. A thread polls every 2 ms."""
 
     def __init__(self, times: int | None = None) -> None:
-        self.times, self.killed = times, 0
+        self.times, self.pids = times, set[int]()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -434,12 +434,18 @@ class ApertiumKiller:
             if self.times is not None and self.killed >= self.times:
                 return
             for child in me.children():
+                if child.pid in self.pids:  # killed, not yet reaped: still listed
+                    continue
                 try:
                     if any(a.endswith("/apertium") or a == "apertium" for a in child.cmdline()):
                         child.send_signal(signal.SIGKILL)
-                        self.killed += 1
+                        self.pids.add(child.pid)
                 except psutil.Error:  # it ended meanwhile
                     pass
+
+    @property
+    def killed(self) -> int:
+        return len(self.pids)
 
     def __enter__(self) -> ApertiumKiller:
         self._thread.start()
