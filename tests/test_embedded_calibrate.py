@@ -72,7 +72,10 @@ def test_an_engine_measures_its_host_once_then_reads_the_figure_from_the_cache(
     busy = float(first["calibration_busy_per_stream"])
     # It decoded speech: interims and at least one final pass, through a real session.
     assert busy > 0 and stats.calls >= 3 and stats.final_greedy_calls >= 1
-    assert int(first["calibrated_streams"]) == streams_for(busy)
+    # The status rounds the figure to 3 places; the engine used the unrounded one, which
+    # may sit across a step of streams_for (seen: 0.350 → 2, the engine's → 1).
+    assert streams_for(busy + 0.0005) <= int(first["calibrated_streams"]) \
+        <= streams_for(busy - 0.0005)
     assert (tmp_path / "babelcast" / "calibration.json").exists()
     second, stats = asyncio.run(start())
     assert second["calibration_source"] == "cache"
