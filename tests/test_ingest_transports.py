@@ -343,14 +343,14 @@ async def outage(run: Pipeline, name: str, encoder: Encoder,
         if listed is not None:
             listed.cancel()  # a failure above leaves no watcher behind
 
-    async def heard() -> list[dict[bytes, bytes]]:
-        """The audio entries written since the encoder came back."""
+    async def heard() -> list[tuple[bytes, dict[bytes, bytes]]]:
+        """The audio entries written since the encoder came back: (id, fields)."""
         assert run.bus is not None
-        return [f for i, f in await run.bus.redis.xrange(audio_key(name), min=before)
+        return [(i, f) for i, f in await run.bus.redis.xrange(audio_key(name), min=before)
                 if f[b"k"] == b"pcm" and i != before]
 
     async def enough() -> bool:  # 2 s after the return: what where_in() compares
-        return sum(len(f[b"pcm"]) for f in await heard()) >= 2 * SAMPLE_RATE * 2
+        return sum(len(f[b"pcm"]) for _, f in await heard()) >= 2 * SAMPLE_RATE * 2
 
     await until(enough, 10, f"{name}: 2 s of audio after the return")
     # Stop talking once the point is made: the rooms that come back later (HLS is ~2 s
@@ -358,12 +358,13 @@ async def outage(run: Pipeline, name: str, encoder: Encoder,
     # where rooms do not all return at once.
     await encoder.kill()
     after = await heard()
-    pcm = b"".join(f[b"pcm"] for f in after)[: 2 * SAMPLE_RATE * 2]
+    pcm = b"".join(f[b"pcm"] for _, f in after)[: 2 * SAMPLE_RATE * 2]
     # When the first audio after the return reached Redis (a chunk's wall is the
     # capture time of its end): the transport's part of captions_after_s.
-    first = float(after[0][b"wall"]) - len(after[0][b"pcm"]) / 2 / SAMPLE_RATE
+    first_id, first_entry = after[0]
+    first = float(first_entry[b"wall"]) - len(first_entry[b"pcm"]) / 2 / SAMPLE_RATE
     # ... and when it was written there (the entry's id is Redis's clock, in ms).
-    written = await first_entry_ms(run, name, before) / 1000
+    written = int(first_id.split(b"-")[0]) / 1000
     busy = run.whisper.busy_s(first, again_at)
     at_caption = await run.room(name)
     return {"lost_after_s": round(lost_at - killed, 2),
@@ -377,15 +378,6 @@ async def outage(run: Pipeline, name: str, encoder: Encoder,
             "captions_after_s": round(again_at - back, 2),
             "decode_busy_s": round(busy, 2),
             "idle_before_caption_s": round(again_at - first - busy, 2)}, pcm
-
-
-async def first_entry_ms(run: Pipeline, name: str, before: bytes) -> int:
-    """Redis's time (ms, from the entry id) of the first audio entry after `before`."""
-    assert run.bus is not None
-    for i, f in await run.bus.redis.xrange(audio_key(name), min=before, count=200):
-        if f[b"k"] == b"pcm" and i != before:
-            return int(i.split(b"-")[0])
-    raise AssertionError(f"{name}: no audio entry after {before!r}")
 
 
 def where_in(pcm: bytes, spoken: bytes) -> float:
