@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 
 import pytest
+from redis.asyncio import Redis
 
 from orchestrator.redis_server import LocalRedisServer
 from workers.bus import RedisBus, connect_redis
@@ -61,11 +63,35 @@ def redis_server() -> Iterator[LocalRedisServer]:
     server.stop()
 
 
+LEFTOVERS_ENV = "BABELCAST_TEST_LEFTOVERS"
+"""A file: each test that empties the session's Redis first appends there the connections
+an earlier test left open and that still send commands (`leftover_clients`)."""
+
+
+async def leftover_clients(client: Redis) -> list[dict[str, str]]:
+    """Connections to this Redis, other than `client`'s, that sent a command in the last
+    2 s or wait in a blocking read: at a test's start, what an earlier test left running
+    (an actor, a run, a reader). They would write into this test's emptied Redis."""
+    own = await client.client_id()
+    return [{k: str(c.get(k, "")) for k in ("addr", "name", "age", "idle", "cmd", "flags")}
+            for c in await client.client_list()
+            if int(c["id"]) != own and (int(c["idle"]) <= 2 or "b" in str(c["flags"]))]
+
+
+def _append(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
 @pytest.fixture
-async def redis_url(redis_server: LocalRedisServer) -> AsyncIterator[str]:
+async def redis_url(redis_server: LocalRedisServer,
+                    request: pytest.FixtureRequest) -> AsyncIterator[str]:
     """The session-wide server, emptied for this test."""
     client = connect_redis(redis_server.url)
     try:
+        if path := os.environ.get(LEFTOVERS_ENV):
+            if found := await leftover_clients(client):
+                _append(path, json.dumps({"test": request.node.nodeid, "clients": found}))
         await client.flushdb()
     finally:
         await client.aclose()

@@ -17,7 +17,7 @@ from orchestrator.config import parse_event
 from orchestrator.router import Router
 from orchestrator.runtime import EventRuntime
 from tests.engine_faults import FakeVllmAsrActor
-from tests.waiting import eventually
+from tests.waiting import eventually, kill_actors
 from workers.asr import AsrHostOptions
 from workers.bus import RedisBus
 from workers.events import SAMPLE_RATE, AudioChunk
@@ -101,7 +101,7 @@ async def test_a_dead_engine_gets_its_actor_replaced_and_its_streams_back(
     finally:
         stop.set()
         await feeder
-        ray.kill(actor, no_restart=True)
+        await kill_actors([actor])
 
 
 async def _gt(value: object, n: int) -> bool:
@@ -164,8 +164,7 @@ async def test_a_dead_engine_hands_its_streams_to_a_warm_spare_within_seconds(
         if supervisor is not None:
             supervisor.cancel()
             await asyncio.gather(supervisor, return_exceptions=True)
-        for handle in actors.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(actors.values())
     segs = await bus.captions_after("hall", "en", 0, count=10_000)
     after = sorted(s.emit_time for s in segs if s.emit_time > t_epoch)
     silence = max(b - a for a, b in zip([t_epoch, *after], after, strict=False))

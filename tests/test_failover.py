@@ -41,7 +41,7 @@ from orchestrator.ray_actors import AsrActor
 from orchestrator.router import Router
 from orchestrator.runtime import EventRuntime
 from tests.speech import AUDIO, REFERENCE_FILES, decode_pcm16, normalize, reference_text
-from tests.waiting import eventually
+from tests.waiting import eventually, kill_actors
 from workers.asr import AsrHostOptions
 from workers.bus import RedisBus
 from workers.engines.embedded import EmbeddedEngineOptions
@@ -200,8 +200,7 @@ async def test_a_killed_actor_and_a_lost_node_hand_their_streams_on_without_losi
     finally:
         for task in tasks:
             task.cancel()
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(runtime.asr.values())
 
     pins = runtime.router.pins
     print("placed:", pins, "(hall's actor was back within failover_after_s)"
@@ -303,8 +302,7 @@ async def test_a_frozen_actor_hands_its_stream_on_and_writes_nothing_when_it_wak
                 os.kill(pid, signal.SIGCONT)
         for task in tasks:
             task.cancel()
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(runtime.asr.values())
 
     caps = await bus.captions_after("foyer", "en", 0, count=10_000)
     finals = [c for c in caps if c.is_final]
@@ -368,8 +366,7 @@ async def test_rays_death_signal_moves_a_stream_before_the_lease_would_lapse(
     finally:
         if supervisor is not None:
             supervisor.cancel()
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(runtime.asr.values())
     print(f"lobby: on the spare {moved_s:.1f} s after the kill (lease 10 s, "
           "failover_after_s 30 s)")
     assert moved_s <= BOUND_S, moved_s
@@ -415,8 +412,7 @@ async def test_a_pass_waiting_on_an_actor_that_froze_lets_go_when_its_lease_laps
                 os.kill(pid, signal.SIGCONT)
         if supervisor is not None:
             supervisor.cancel()
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(runtime.asr.values())
     print(f"foyer: the pass let go of the frozen actor after {pass_s:.1f} s: {problems}")
     assert "held-0: lease lapsed" in problems
     assert moved, runtime.router.pins

@@ -26,7 +26,7 @@ from orchestrator.ray_actors import _HostActor
 from orchestrator.router import Router
 from orchestrator.runtime import EventRuntime
 from tests.speech import AUDIO, decode_pcm16, normalize
-from tests.waiting import eventually
+from tests.waiting import eventually, kill_actors
 from workers.asr import AsrHost, AsrHostOptions
 from workers.bus import RedisBus
 from workers.engines.embedded import EmbeddedEngineOptions, EmbeddedWhisperEngine
@@ -127,8 +127,7 @@ async def test_a_stream_behind_real_time_moves_to_an_actor_that_keeps_up(
     finally:
         for task in tasks:
             task.cancel()
-        for handle in runtime.asr.values():
-            ray.kill(handle, no_restart=True)
+        await kill_actors(runtime.asr.values())
 
     assert runtime.router.pins == {"hall": "asr-1"}, "the stream moved back"
     assert metrics.STREAM_MOVES.labels(actor="asr-1")._value.get() == moves + 1

@@ -43,6 +43,7 @@ import ray
 
 from bench.rollover import talk
 from orchestrator.ray_actors import AsrActor
+from tests.waiting import kill_actors
 from workers.asr import AsrHostOptions
 from workers.asr.host import LAG_BEHIND_S
 from workers.bus import RedisBus, caption_from_json, captions_key
@@ -187,7 +188,7 @@ async def test_an_overloaded_actor_falls_behind_says_so_sheds_with_gaps_and_catc
         captions = {r: await all_captions(bus, r) for r in rooms}
         statuses = {r: await bus.get_status(r) for r in rooms}
     finally:
-        ray.kill(actor, no_restart=True)
+        await kill_actors([actor])
 
     loaded = [s for s in samples if s["t"] < dropped_at]
     worst = max(lag(r, s) for s in loaded for r in rooms if lag(r, s) == lag(r, s))

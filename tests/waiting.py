@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import pytest
 
@@ -28,3 +29,40 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _own_pid(_actor: object) -> int:
+    import os
+
+    return os.getpid()
+
+
+async def kill_actors(handles: Iterable[Any], timeout_s: float = 30.0) -> None:
+    """`ray.kill` each actor (no restart) and wait until its process has exited.
+
+    `ray.kill` returns before the process is gone. One that still runs reads its streams'
+    audio from Redis and publishes their captions: into the next test's emptied Redis
+    when that test uses the same stream names (a CI run found a caption of the previous
+    test's actor at the head of the next test's stream, seq 9 before its own 10, 11, ...).
+    An actor that does not answer within 5 s (dead, or on a lost node) is killed without
+    waiting for it."""
+    import ray
+
+    handles = list(handles)
+    pids: list[int] = []
+    for handle in handles:
+        try:
+            pids.append(await asyncio.wait_for(handle.__ray_call__.remote(_own_pid), 5))
+        except Exception:  # dead already, or not reachable: nothing of it to wait for
+            pass
+    t0 = time.monotonic()
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
+
+    async def gone() -> bool:
+        return not any(alive(pid) for pid in pids)
+
+    await eventually(gone, timeout_s, f"the killed actors' processes {pids} to exit",
+                     every_s=0.02)
+    print(f"killed {len(handles)} actor(s): processes {pids} gone "
+          f"{time.monotonic() - t0:.2f} s after ray.kill")
