@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 
@@ -64,18 +65,20 @@ def redis_server() -> Iterator[LocalRedisServer]:
 
 
 LEFTOVERS_ENV = "BABELCAST_TEST_LEFTOVERS"
-"""A file: each test that empties the session's Redis first appends there the connections
-an earlier test left open and that still send commands (`leftover_clients`)."""
+"""A file: each test that empties the session's Redis appends there, after it ran, the
+connections that an earlier test left open and that sent commands into this test's
+Redis after it was emptied (`_connections`)."""
 
 
-async def leftover_clients(client: Redis) -> list[dict[str, str]]:
-    """Connections to this Redis, other than `client`'s, that sent a command in the last
-    2 s or wait in a blocking read: at a test's start, what an earlier test left running
-    (an actor, a run, a reader). They would write into this test's emptied Redis."""
+async def _connections(client: Redis) -> dict[int, dict[str, str]]:
+    """The connections to `client`'s database but its own (a module's own event may use
+    another database of the same server: not counted)."""
     own = await client.client_id()
-    return [{k: str(c.get(k, "")) for k in ("addr", "name", "age", "idle", "cmd", "flags")}
+    db = str(client.connection_pool.connection_kwargs.get("db", 0))
+    return {int(c["id"]): {k: str(c.get(k, "")) for k in ("addr", "age", "idle", "cmd",
+                                                          "flags")}
             for c in await client.client_list()
-            if int(c["id"]) != own and (int(c["idle"]) <= 2 or "b" in str(c["flags"]))]
+            if int(c["id"]) != own and str(c.get("db")) == db}
 
 
 def _append(path: str, line: str) -> None:
@@ -86,16 +89,34 @@ def _append(path: str, line: str) -> None:
 @pytest.fixture
 async def redis_url(redis_server: LocalRedisServer,
                     request: pytest.FixtureRequest) -> AsyncIterator[str]:
-    """The session-wide server, emptied for this test."""
+    """The session-wide server, emptied for this test.
+
+    With BABELCAST_TEST_LEFTOVERS set: what an earlier test left running (an actor, a run,
+    a reader) and that wrote into or read from this test's Redis is recorded there. A
+    connection open before the flush counts when it sent a command over a second after
+    the flush, or waits in a blocking read (its process may merely not be reaped yet when
+    the flush comes, so its state then says nothing)."""
+    path = os.environ.get(LEFTOVERS_ENV)
     client = connect_redis(redis_server.url)
     try:
-        if path := os.environ.get(LEFTOVERS_ENV):
-            if found := await leftover_clients(client):
-                _append(path, json.dumps({"test": request.node.nodeid, "clients": found}))
+        before = await _connections(client) if path else {}
         await client.flushdb()
+        flushed = time.monotonic()
     finally:
         await client.aclose()
     yield redis_server.url
+    if path and before:
+        client = connect_redis(redis_server.url)
+        try:
+            after = await _connections(client)
+        finally:
+            await client.aclose()
+        since = time.monotonic() - flushed
+        late = [c for cid, c in after.items() if cid in before
+                and (int(c["idle"]) < since - 1 or "b" in c["flags"])]
+        if late:
+            _append(path, json.dumps({"test": request.node.nodeid,
+                                      "ran_s": round(since, 1), "clients": late}))
 
 
 @pytest.fixture

@@ -72,13 +72,16 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def setup(redis_server: LocalRedisServer, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[tuple[Event, Path, str]]:
     tmp = tmp_path_factory.mktemp("hot")
-    # The session's Redis holds other tests' streams, some named like these rooms (and
-    # stamped by fake clocks): an ingest would continue their audio clock.
-    with SyncRedis.from_url(redis_server.url) as client:
+    # A database of its own: this module's other tests empty database 0 (the `redis_url`
+    # fixture) while this event runs on. Emptied first: it may hold an earlier run's
+    # streams named like these rooms (stamped by fake clocks), whose audio clock an
+    # ingest would continue.
+    url = redis_server.url.rsplit("/", 1)[0] + "/7"
+    with SyncRedis.from_url(url) as client:
         client.flushdb()
     wav = write_reference_wav(tmp / "talk.wav")
     port = free_port()
-    head = HEAD.format(url=redis_server.url, port=port)
+    head = HEAD.format(url=url, port=port)
     (tmp / "event.yaml").write_text(head + "streams:\n" + room("hall", wav)
                                     + room("annex", wav))
     (tmp / "v2.yaml").write_text(head + "streams:\n" + room("hall", wav, "[es]")
@@ -89,7 +92,7 @@ def setup(redis_server: LocalRedisServer, tmp_path_factory: pytest.TempPathFacto
                                      + "streams:\n" + room("hall", wav, "[es]")
                                      + room("extra", wav))
     ev = start_event(tmp / "event.yaml", port, ENV)
-    yield ev, tmp, redis_server.url
+    yield ev, tmp, url
     stop_event(ev)
 
 

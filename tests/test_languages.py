@@ -147,7 +147,12 @@ def test_each_final_is_translated_once_into_the_target(
     assert sorted(m["segment_id"] for m in finals) == sorted(source)
     for m in finals:
         assert m["lang"] == target and m["source_lang"] == lang and m["error"] is None
-        assert m["text"] and m["text"] != source[m["segment_id"]]["text"]
+        assert m["text"]
+    # Translated, not copied: most finals read differently. Not every one: a final that
+    # is all words the translator does not know (a misheard "acliando dijitos", seen in
+    # a suite run) comes back as it went in, which is Apertium's way with unknown words.
+    changed = sum(m["text"] != source[m["segment_id"]]["text"] for m in finals)
+    assert changed > len(finals) / 2, f"only {changed} of {len(finals)} finals translated"
 
 
 def test_language_auto_detects_italian_and_captions_it(talks: dict[str, Talk]) -> None:
