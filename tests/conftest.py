@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -11,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from types import FrameType
 
@@ -64,10 +64,9 @@ def redis_server() -> Iterator[LocalRedisServer]:
     server.stop()
 
 
-LEFTOVERS_ENV = "BABELCAST_TEST_LEFTOVERS"
-"""A file: each test that empties the session's Redis appends there, after it ran, the
-connections that an earlier test left open and that sent commands into this test's
-Redis after it was emptied (`_connections`)."""
+class LeftoverWriter(UserWarning):
+    """A connection an earlier test left open sent commands into this test's emptied
+    Redis: something of that test (an actor, a run, a reader) still runs."""
 
 
 async def _connections(client: Redis) -> dict[int, dict[str, str]]:
@@ -81,31 +80,26 @@ async def _connections(client: Redis) -> dict[int, dict[str, str]]:
             if int(c["id"]) != own and str(c.get("db")) == db}
 
 
-def _append(path: str, line: str) -> None:
-    with open(path, "a") as f:
-        f.write(line + "\n")
-
-
 @pytest.fixture
 async def redis_url(redis_server: LocalRedisServer,
                     request: pytest.FixtureRequest) -> AsyncIterator[str]:
     """The session-wide server, emptied for this test.
 
-    With BABELCAST_TEST_LEFTOVERS set: what an earlier test left running (an actor, a run,
-    a reader) and that wrote into or read from this test's Redis is recorded there. A
-    connection open before the flush counts when it sent a command over a second after
-    the flush, or waits in a blocking read (its process may merely not be reaped yet when
-    the flush comes, so its state then says nothing)."""
-    path = os.environ.get(LEFTOVERS_ENV)
+    Then a check of the test's isolation: what an earlier test left running (an actor, a
+    run, a reader) and that wrote into or read from this test's Redis is reported as a
+    `LeftoverWriter` warning (in the run's warnings summary). A connection open before
+    the flush counts when it sent a command over a second after the flush, or waits in a
+    blocking read (its process may merely not be reaped yet when the flush comes, so its
+    state then says nothing)."""
     client = connect_redis(redis_server.url)
     try:
-        before = await _connections(client) if path else {}
+        before = await _connections(client)
         await client.flushdb()
         flushed = time.monotonic()
     finally:
         await client.aclose()
     yield redis_server.url
-    if path and before:
+    if before:
         client = connect_redis(redis_server.url)
         try:
             after = await _connections(client)
@@ -115,8 +109,9 @@ async def redis_url(redis_server: LocalRedisServer,
         late = [c for cid, c in after.items() if cid in before
                 and (int(c["idle"]) < since - 1 or "b" in c["flags"])]
         if late:
-            _append(path, json.dumps({"test": request.node.nodeid,
-                                      "ran_s": round(since, 1), "clients": late}))
+            warnings.warn(LeftoverWriter(
+                f"{request.node.nodeid}: connections an earlier test left open used its "
+                f"Redis during its {since:.0f} s: {late}"), stacklevel=1)
 
 
 @pytest.fixture

@@ -42,10 +42,10 @@ async def kill_actors(handles: Iterable[Any], timeout_s: float = 30.0) -> None:
 
     `ray.kill` returns before the process is gone. One that still runs reads its streams'
     audio from Redis and publishes their captions: into the next test's emptied Redis
-    when that test uses the same stream names (a CI run found a caption of the previous
-    test's actor at the head of the next test's stream, seq 9 before its own 10, 11, ...).
-    An actor that does not answer within 5 s (dead, or on a lost node) is killed without
-    waiting for it."""
+    when that test uses the same stream names. (Suspected, not shown, in a CI failure
+    whose caption Stream began at seq 9; here the processes went 0.02-0.06 s after the
+    kill, but a loaded host is slower.) An actor that does not answer within 5 s (dead,
+    or on a lost node) is killed without waiting for it."""
     import ray
 
     handles = list(handles)
