@@ -55,9 +55,10 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import websockets
 import yaml
@@ -446,6 +447,39 @@ def _vllm_version() -> str | None:
         return None
 
 
+T = TypeVar("T")
+
+
+class Terminated(Exception):
+    """The run got SIGTERM (what `timeout` sends a device call at its limit)."""
+
+
+async def until_terminated(coro: Coroutine[Any, Any, T]) -> T:
+    """`coro`, cancelled on SIGTERM, which then comes out as `Terminated`: `babelcast
+    run` is stopped as Ctrl-C would stop it (asyncio.run cancels the main task on
+    SIGINT). A Python signal handler that raised instead (`default_int_handler`) could
+    land in a weakref callback, where the exception is printed and dropped: a suite run
+    saw the run go on to its end and exit 0."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    got: list[int] = []
+
+    def terminate() -> None:
+        got.append(signal.SIGTERM)
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, terminate)
+    try:
+        return await coro
+    except asyncio.CancelledError:
+        if got:
+            raise Terminated("SIGTERM") from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=2)
@@ -474,13 +508,11 @@ def main() -> int:
                        f"streams_per_actor: {args.streams}}}")
     if not isinstance(yaml.safe_load(args.engine), dict):
         ap.error("--engine is a YAML flow mapping, e.g. '{kind: vllm, model: /tmp/voxtral}'")
-    # `timeout` (the device scripts) sends SIGTERM: stop `babelcast run` as Ctrl-C would.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     progress = Progress()
     code = 0
     with tempfile.TemporaryDirectory(prefix="bench-product-") as tmp:
         try:
-            result = asyncio.run(run(args, Path(tmp), progress))
+            result = asyncio.run(until_terminated(run(args, Path(tmp), progress)))
         except (Exception, KeyboardInterrupt) as exc:  # reported in the JSON, not hidden
             code = 1
             # what the run had by then, so a cut device call still says where it got to

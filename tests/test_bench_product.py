@@ -177,7 +177,7 @@ def test_an_interrupted_run_still_prints_where_it_stopped_and_keeps_the_runs_log
     assert result["complete"] is False
     assert result["stopped_in"] in ("gateway and asr-0 up", "waiting for actors",
                                     "actors ready", "playing"), result
-    assert result["error"].startswith("KeyboardInterrupt")
+    assert result["error"] == "Terminated: SIGTERM", result["error"]
     assert result["commit"] and result["command"].startswith("python -m bench.product")
     assert "] failed" in err
     assert log.exists() and log.stat().st_size > 0
