@@ -16,6 +16,7 @@ from types import FrameType
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from orchestrator.redis_server import LocalRedisServer
 from workers.bus import RedisBus, connect_redis
@@ -103,6 +104,8 @@ async def redis_url(redis_server: LocalRedisServer,
         client = connect_redis(redis_server.url)
         try:
             after = await _connections(client)
+        except (RedisError, OSError):  # the test left this server unreachable: no check
+            after = {}
         finally:
             await client.aclose()
         since = time.monotonic() - flushed
