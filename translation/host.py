@@ -211,12 +211,13 @@ class TranslationHost:
         `BackendInterrupted`) is read again rather than published with those targets
         failed: no, once one of its jobs was interrupted `MAX_INTERRUPTS` times, so a
         backend that is killed every time cannot hold the queue."""
-        ids = [d.entry_id for d in deliveries]
-        for i in ids:
-            self._interrupts[i] = self._interrupts.get(i, 0) + 1
+        worst = 0
+        for d in deliveries:
+            self._interrupts[d.entry_id] = n = self._interrupts.get(d.entry_id, 0) + 1
+            worst = max(worst, n)
         while len(self._interrupts) > 10_000:  # jobs claimed away are never acked here
             self._interrupts.pop(next(iter(self._interrupts)))
-        if max(self._interrupts.get(i, 0) for i in ids) > MAX_INTERRUPTS:
+        if worst > MAX_INTERRUPTS:
             return False
         self.counters["interrupted_retries"] += 1
         return True
